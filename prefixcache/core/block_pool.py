@@ -1,0 +1,281 @@
+"""The block pool: every block, the free queue, and the map from block hash to cached block.
+
+Mechanism only — the KV cache manager decides which request gets which blocks; the pool
+keeps the books:
+
+* ``blocks[i]`` is block ``i``, created once.
+* ``free_block_queue`` holds exactly the blocks with ``ref_cnt == 0``, in eviction order
+  (head first). Its class is the eviction policy (:mod:`prefixcache.core.eviction`).
+* ``cached_block_hash_to_block`` finds a cached block by hash. A cached block may be free
+  (ref 0, still reusable until evicted) or in use.
+
+Invariants kept by every public method: a block is cached iff it has a ``block_hash``
+and is findable under it; a free cached block is evicted (hash cleared, removed from the
+map) only when it is taken from the head of the free queue for new content.
+
+KV events (when enabled) describe the set of cached *hashes*: ``BlockStored`` lists a hash
+only when it becomes findable, ``BlockRemoved`` only when no block holds it any more. So a
+router's set of hashes built from the events equals ours even when duplicate blocks hold
+one hash (vLLM reports each duplicate block, which a set-based index cannot follow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY, make_free_block_queue
+from prefixcache.core.kv_events import (
+    DEFAULT_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+if TYPE_CHECKING:
+    from prefixcache.core.hashing import BlockHash
+    from prefixcache.core.request import Request
+
+# What a cached block holds, compared by the collision guard: (token ids, extra keys).
+BlockContent = tuple[tuple[int, ...], "tuple | None"]
+
+
+class BlockHashToBlockMap:
+    """Block hash -> cached block(s). One hash may be held by several blocks (duplicates).
+
+    A key maps to a single :class:`KVCacheBlock` in the common case and to a
+    ``{block_id: block}`` dict (insertion order) once duplicates exist, so the common
+    lookup costs one dict access.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cache
+
+    def keys(self):
+        return self._cache.keys()
+
+    def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """Any block cached under ``block_hash`` (the earliest inserted), or None."""
+        entry = self._cache.get(block_hash)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    def get_all_blocks(self, block_hash: BlockHash) -> list[KVCacheBlock]:
+        entry = self._cache.get(block_hash)
+        if entry is None:
+            return []
+        if type(entry) is KVCacheBlock:
+            return [entry]
+        return list(entry.values())
+
+    def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> bool:
+        """Add ``block`` under ``block_hash``; True when the hash was not cached before."""
+        cache = self._cache
+        entry = cache.get(block_hash)
+        if entry is None:
+            cache[block_hash] = block
+            return True
+        if type(entry) is KVCacheBlock:
+            cache[block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+        return False
+
+    def pop(self, block_hash: BlockHash, block_id: int) -> KVCacheBlock | None:
+        """Remove block ``block_id`` from under ``block_hash``; the removed block, or None
+        when that block is not cached under that hash (then nothing changes)."""
+        cache = self._cache
+        entry = cache.get(block_hash)
+        if entry is None:
+            return None
+        if type(entry) is KVCacheBlock:
+            if entry.block_id != block_id:
+                return None
+            del cache[block_hash]
+            return entry
+        block = entry.pop(block_id, None)
+        if not entry:
+            del cache[block_hash]
+        return block
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+class BlockPool:
+    """Owns all ``num_blocks`` blocks of one KV cache; see the module docstring."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        enable_events: bool = False,
+        verify_cached_tokens: bool = False,
+        medium: str | None = DEFAULT_MEDIUM,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.free_block_queue = make_free_block_queue(eviction_policy, self.blocks)
+        self.eviction_policy = eviction_policy
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.enable_events = enable_events
+        self.medium = medium
+        self._events: list[KVCacheEvent] = []
+        self.num_evictions = 0
+        # The collision guard remembers what each cached block holds, by block id.
+        self.verify_cached_tokens = verify_cached_tokens
+        self.block_contents: list[BlockContent | None] | None = (
+            [None] * num_blocks if verify_cached_tokens else None
+        )
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by at least one request."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+    # -- allocation -------------------------------------------------------------------
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the free queue so
+        they cannot be evicted while in use."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the head of the free queue, each with ref 1,
+        evicting any cached content they held. Raises ValueError if too few are free."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        cache = self.cached_block_hash_to_block
+        cache.pop(block_hash, block.block_id)
+        block.block_hash = None
+        self.num_evictions += 1
+        if self.block_contents is not None:
+            self.block_contents[block.block_id] = None
+        if self.enable_events and block_hash not in cache:
+            self._events.append(BlockRemoved(block_hashes=[block_hash], medium=self.medium))
+
+    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                          num_cached_blocks: int, num_full_blocks: int,
+                          block_size: int) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes.
+
+        ``blocks`` is the request's block table; the blocks before ``num_cached_blocks``
+        are already cached (hits or earlier steps); the rest are fresh and unhashed.
+        """
+        block_hashes = request.block_hashes
+        insert = self.cached_block_hash_to_block.insert
+        contents = self.block_contents
+        emit = self.enable_events
+        new_hash_indices: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            block_hash = block_hashes[i]
+            block.block_hash = block_hash
+            is_new_hash = insert(block_hash, block)
+            if contents is not None:
+                contents[block.block_id] = self.request_block_content(request, i, block_size)
+            if emit and is_new_hash:
+                new_hash_indices.append(i)
+        if new_hash_indices:
+            self._emit_stored(request, new_hash_indices, block_size)
+
+    @staticmethod
+    def request_block_content(request: Request, block_index: int,
+                              block_size: int) -> BlockContent:
+        """What full block ``block_index`` of ``request`` holds, for the collision guard."""
+        start = block_index * block_size
+        extra = request.block_extra_keys(block_index, block_size) if request.has_extra_keys \
+            else None
+        return tuple(request.all_token_ids[start:start + block_size]), extra
+
+    def _emit_stored(self, request: Request, block_indices: list[int], block_size: int) -> None:
+        """One BlockStored per run of consecutive newly cached hashes."""
+        block_hashes = request.block_hashes
+        run_start = 0
+        for k in range(1, len(block_indices) + 1):
+            if k < len(block_indices) and block_indices[k] == block_indices[k - 1] + 1:
+                continue
+            first, last = block_indices[run_start], block_indices[k - 1]
+            self._events.append(BlockStored(
+                block_hashes=block_hashes[first:last + 1],
+                parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                token_ids=request.all_token_ids[first * block_size:(last + 1) * block_size],
+                block_size=block_size,
+                lora_id=request.lora_id,
+                medium=self.medium,
+                lora_name=request.lora_name,
+                extra_keys=[request.block_extra_keys(i, block_size)
+                            for i in range(first, last + 1)] if request.has_extra_keys
+                else None,
+            ))
+            run_start = k
+
+    # -- release ----------------------------------------------------------------------
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero are released to the
+        free queue in the given order (first given = evicted first, under ``lru``)."""
+        released = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(block)
+        if released:
+            self.free_block_queue.release(released)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False, nothing changed) while any block is
+        held by a request, since its hash would then outlive the map entry."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.block_contents is not None:
+            self.block_contents = [None] * self.num_blocks
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain and return the events since the last call (oldest first)."""
+        events = self._events
+        self._events = []
+        return events

@@ -1,0 +1,257 @@
+"""The KV cache manager: which blocks hold each request's KV, and which are reused.
+
+The scheduler drives it per request:
+
+1. ``get_computed_blocks(request)`` — the longest run of cached full blocks matching the
+   request's prefix. Read-only: no reference counts change, so a request that is then not
+   scheduled leaves no trace.
+2. ``allocate_slots(request, num_new_tokens, ...)`` — make room for the tokens to compute
+   now. It checks first and returns None, changing nothing, when they cannot fit; else it
+   touches the hit blocks, pops new blocks from the free queue head (evicting what they
+   cached) and caches every block that became full, so requests later in the same batch
+   can already hit it.
+3. The caller advances ``request.num_computed_tokens`` and appends sampled tokens.
+4. ``free(request)`` — release the block table in reverse order, so a request's deepest
+   blocks are evicted first and its shared prefix last.
+
+Block tables are append-only: a block that turns out to duplicate a cached one stays in
+the table until the request is freed (the design's "duplicated blocks").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.block_pool import BlockPool
+from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY
+from prefixcache.core.hashing import DEFAULT_HASH_ALGO, BlockHasher, get_hash_fn
+from prefixcache.core.kv_events import DEFAULT_MEDIUM, KVCacheEvent
+from prefixcache.core.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last read: requests looked up, prompt tokens queried,
+    and tokens served from the cache (hits)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates paged KV blocks to requests and reuses cached prefix blocks.
+
+    ``num_blocks`` blocks of ``block_size`` tokens each. With ``enable_caching=False``
+    nothing is hashed or reused. ``hash_algo``/``hash_seed`` choose the block hash (see
+    :mod:`prefixcache.core.hashing`), ``eviction_policy`` the free-queue order (see
+    :mod:`prefixcache.core.eviction`). ``verify_cached_tokens`` is the collision guard:
+    every hit is checked against the token ids (and extra keys) the cached block was
+    stored with, so even a colliding fast hash can never serve another prefix's KV.
+    ``enable_events`` records :mod:`~prefixcache.core.kv_events` for ``take_events``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = DEFAULT_HASH_ALGO,
+        hash_seed: str | None = None,
+        enable_events: bool = False,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        verify_cached_tokens: bool = False,
+        medium: str | None = DEFAULT_MEDIUM,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        if enable_caching:
+            self.block_hasher: BlockHasher | None = BlockHasher(block_size, hash_algo, hash_seed)
+        else:
+            get_hash_fn(hash_algo)  # still reject a bad name, even though nothing is hashed
+            self.block_hasher = None
+        self.block_pool = BlockPool(
+            num_blocks,
+            enable_caching=enable_caching,
+            eviction_policy=eviction_policy,
+            enable_events=enable_events and enable_caching,
+            verify_cached_tokens=verify_cached_tokens and enable_caching,
+            medium=medium,
+        )
+        self.verify_cached_tokens = self.block_pool.verify_cached_tokens
+        self.num_hash_collisions = 0
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request's table are already cached.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and their token count.
+
+        At least the last prompt token is always left to compute (its logits are needed),
+        so a hit covers at most ``(num_tokens - 1) // block_size`` blocks. Changes no
+        reference counts. Requests with ``skip_reading_prefix_cache`` get no hit (they
+        still write their blocks to the cache when allocated).
+        """
+        if not self.enable_caching:
+            return [], 0
+        request.attach_block_hasher(self.block_hasher)
+        if request.skip_reading_prefix_cache:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        block_hashes = request.block_hashes
+        if self.verify_cached_tokens:
+            computed = self._find_verified_hits(request, max_hit_blocks)
+        else:
+            computed = []
+            append = computed.append
+            lookup = self.block_pool.cached_block_hash_to_block._cache.get
+            for i in range(min(max_hit_blocks, len(block_hashes))):
+                block = lookup(block_hashes[i])
+                if block is None:
+                    break
+                if type(block) is not KVCacheBlock:  # duplicates: any of them will do
+                    block = next(iter(block.values()))
+                append(block)
+        num_hit_tokens = len(computed) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return computed, num_hit_tokens
+
+    def _find_verified_hits(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
+        """Like the plain lookup, but a block counts only if it holds this very content."""
+        pool = self.block_pool
+        contents = pool.block_contents
+        block_hashes = request.block_hashes
+        computed: list[KVCacheBlock] = []
+        for i in range(min(max_hit_blocks, len(block_hashes))):
+            candidates = pool.cached_block_hash_to_block.get_all_blocks(block_hashes[i])
+            if not candidates:
+                break
+            expected = pool.request_block_content(request, i, self.block_size)
+            match = next((b for b in candidates if contents[b.block_id] == expected), None)
+            if match is None:
+                self.num_hash_collisions += 1
+                break
+            computed.append(match)
+        return computed
+
+    # -- allocation -------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request`` slots for ``num_new_tokens`` tokens after its computed ones.
+
+        ``new_computed_blocks``/``num_new_computed_tokens`` are a fresh cache hit from
+        :meth:`get_computed_blocks` (new requests only). ``num_lookahead_tokens`` reserves
+        extra slots that are not cached yet. Returns the newly allocated blocks (possibly
+        empty), or None — with nothing changed — when the free blocks cannot cover them
+        (hit blocks that are free count against capacity, since touching takes them).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+        if new_computed_blocks is None:
+            new_computed_blocks = []
+        block_size = self.block_size
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
+
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_slots_needed = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_required_blocks = -(-num_slots_needed // block_size)
+        num_new_blocks = num_required_blocks - num_existing_blocks - len(new_computed_blocks)
+
+        pool = self.block_pool
+        if num_new_blocks > 0:
+            num_free_hit_blocks = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_free_hit_blocks:
+                return None
+
+        # Committed from here on: nothing below can fail.
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request_id] += len(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            if request.block_hasher is None:
+                request.attach_block_hasher(self.block_hasher)
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            num_full_blocks = num_tokens_to_cache // block_size
+            num_cached = self.num_cached_blocks[request_id]
+            if num_full_blocks > num_cached:
+                pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks,
+                                       block_size)
+                self.num_cached_blocks[request_id] = num_full_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first. Freeing a request that holds no
+        blocks (never allocated, or already freed) is a no-op, so abort paths may call it
+        unconditionally."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    # -- inspection and control -------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids ([] for an unknown request)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (cached free blocks count as free)."""
+        return self.block_pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block. False, and nothing changed, while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The lookups since the previous call; the counters start again from zero."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the KV events recorded since the last call ([] when events are off)."""
+        return self.block_pool.take_events()
