@@ -9,9 +9,9 @@ Four algorithms are selectable by name:
 
 ``sha256`` (default)
     SHA-256 over our own compact encoding of the tuple (see :func:`_encode_compact`):
-    ``parent || u32 count || tokens as int64 big-endian || extra``, where ``extra`` is one
-    byte ``0`` for None or ``1`` followed by the pickled extra-key tuple. The parent is a
-    fixed 32-byte digest and the token count is explicit, so the encoding is injective. It
+    ``"B" || u32 len(parent) || parent || u32 count || tokens as little-endian int64 ||
+    extra``, where ``extra`` is one byte ``0`` for None or ``1`` followed by the pickled
+    extra-key tuple. Every length is explicit, so the encoding is injective. It
     hashes the same tuple as vLLM's pickle-based ``sha256`` but is several times cheaper
     to build; like vLLM's, it is not meant to be reproduced outside prefixcache.
 ``sha256_cbor``
@@ -37,8 +37,8 @@ import pickle
 import secrets
 import struct
 import warnings
-from array import array
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -80,15 +80,21 @@ def _pickle(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
 
 
-_LITTLE_ENDIAN = array("H", [1]).tobytes() == b"\x01\x00"
+@lru_cache(maxsize=128)
+def _int64_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
 
 
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as big-endian int64: fixed width, so the count fixes the length."""
-    encoded = array("q", token_ids)
-    if _LITTLE_ENDIAN:
-        encoded.byteswap()
-    return encoded.tobytes()
+    """Token ids as little-endian int64: fixed width, so the count fixes the length.
+
+    A precompiled ``struct`` packs a few times faster than ``array`` here, and the
+    explicit byte order makes the encoding the same on every host.
+    """
+    try:
+        return _int64_struct(len(token_ids)).pack(*token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers that fit in 64 bits: {exc}") from None
 
 
 def _encode_compact(obj: Any) -> bytes:
