@@ -1,0 +1,299 @@
+"""Publishing KV event batches over ZeroMQ, speaking vLLM's ``ZmqEventPublisher`` protocol.
+
+Live stream (PUB socket): one multipart message per batch,
+``(topic, seq, payload)`` where ``topic`` is the UTF-8 topic (empty by default), ``seq`` the
+batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher) and ``payload``
+the msgpack ``KVEventBatch`` (see ``wire``).
+
+Replay (optional ROUTER socket): a client (REQ, or DEALER sending an empty delimiter first)
+sends the first sequence number it wants as 8 bytes big-endian. The publisher answers with
+one ``(seq, payload)`` message per buffered batch whose sequence number is at least that,
+oldest first, then ``(-1 as 8 signed big-endian bytes, b"")`` to mark the end. Only the
+last ``buffer_steps`` batches are kept.
+
+The engine loop never waits on the network: ``publish`` stamps the batch, gives it its
+sequence number and appends it to a bounded in-memory queue; a background thread converts,
+encodes, sends, buffers for replay and answers replay requests. When the queue is full
+the oldest queued batch is dropped and ``num_dropped_batches`` counts it. A dropped batch
+keeps its sequence number, so subscribers see the gap (which replay cannot fill: the batch
+was never sent) and know their view of this engine's cache is incomplete.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from prefixcache.events.convert import BLOCK_HASH_FORMATS, BlockHashFormat, make_batch
+from prefixcache.events.wire import encode_batch
+
+if TYPE_CHECKING:
+    from prefixcache.core.kv_events import KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY_SEQ = -1
+END_OF_REPLAY = END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True)
+
+# How long the background thread waits for work before looking at the replay socket again.
+# Bounds replay latency and shutdown latency; idle cost is a few wake-ups per second.
+_IDLE_WAIT_S = 0.02
+
+
+_CLOSE_LINGER_MS = 200
+
+
+def seq_to_bytes(seq: int) -> bytes:
+    """A sequence number as it travels: 8 bytes, big-endian, signed (so -1 ends a replay)."""
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def seq_from_bytes(frame: bytes) -> int:
+    """Inverse of ``seq_to_bytes``."""
+    return int.from_bytes(frame, "big", signed=True)
+
+
+class EventPublisher:
+    """What the engine talks to; ``NullEventPublisher`` and ``ZmqEventPublisher`` implement it.
+
+    Call ``publish(events)`` once per engine step with that step's drained events (for
+    example ``kv_cache_manager.take_events()``); an empty list publishes nothing.
+    """
+
+    num_published_batches: int = 0
+    num_dropped_batches: int = 0
+
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class NullEventPublisher(EventPublisher):
+    """Events off: accepts and forgets everything, at the cost of one method call."""
+
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Non-blocking PUB (+ optional ROUTER replay) publisher of KV event batches.
+
+    Args:
+        endpoint: ZMQ address of the live stream, e.g. ``tcp://127.0.0.1:5557``,
+            ``tcp://*:5557`` or ``ipc:///tmp/kv-events``. ``tcp://host:*`` picks a free port;
+            read the result from ``self.endpoint``.
+        replay_endpoint: ZMQ address the ROUTER replay socket binds to, or None for no
+            replay.
+        topic: prefix sent as the first frame of every live message (subscribers filter
+            on it).
+        data_parallel_rank: stamped into every batch. vLLM stamps 0 when data
+            parallelism is off, and so do we.
+        block_hash_format: ``"int64"`` (vLLM's default) or ``"bytes"`` (raw digests).
+        max_queue_size: batches that may wait for the background thread before the
+            oldest is dropped.
+        buffer_steps: batches kept for replay.
+        hwm: ZMQ send high-water mark of the PUB socket (messages per subscriber).
+        bind: True (default) binds the PUB socket, the engine being the stable end that
+            subscribers connect to. False connects it instead, to push into a collector
+            that binds. (vLLM guesses: it binds only wildcard, ipc and inproc addresses.)
+
+    Attributes read by the server's ``/metrics``: ``num_published_batches`` (sent on the
+    PUB socket) and ``num_dropped_batches`` (lost to a full queue).
+
+    Socket errors (a taken port, a bad address) raise from the constructor. After that
+    every socket belongs to the background thread. ``close()`` sends what is queued,
+    stops the thread and releases the sockets; it is bounded by ``close_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        data_parallel_rank: int | None = 0,
+        block_hash_format: BlockHashFormat = "int64",
+        max_queue_size: int = 100_000,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        bind: bool = True,
+        close_timeout_s: float = 2.0,
+    ) -> None:
+        import zmq  # only engines that publish pay for the import
+
+        if block_hash_format not in BLOCK_HASH_FORMATS:
+            raise ValueError(f"block_hash_format must be one of {BLOCK_HASH_FORMATS}")
+        if max_queue_size < 1 or buffer_steps < 0:
+            raise ValueError("max_queue_size must be >= 1 and buffer_steps >= 0")
+        self._topic = topic.encode("utf-8")
+        self._data_parallel_rank = data_parallel_rank
+        self._block_hash_format: BlockHashFormat = block_hash_format
+        self._max_queue_size = max_queue_size
+        self._close_timeout_s = close_timeout_s
+
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._replay = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            if bind:
+                self._pub.bind(endpoint)
+                self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
+            self.replay_endpoint: str | None = None
+            if replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_sockets()
+            raise
+
+        # (seq, ts, events) waiting for the thread; guarded by _cond.
+        self._queue: deque[tuple[int, float, Sequence[KVCacheEvent]]] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._next_seq = 0
+        self._closing = False
+        self._closed = False
+        # (seq, payload) of the last buffer_steps sent batches; only the thread touches it.
+        self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.num_published_batches = 0
+        self.num_dropped_batches = 0
+        self.num_replay_requests = 0
+
+        self._thread = threading.Thread(
+            target=self._run, name="prefixcache-kv-events", daemon=True
+        )
+        self._thread.start()
+
+    # -- caller side ---------------------------------------------------------------------
+
+    def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
+        """Queue one step's core events as one batch; never blocks on I/O.
+
+        ``events`` must not be mutated afterwards (``take_events()`` hands over a fresh
+        list). ``ts`` defaults to now. An empty ``events`` publishes nothing and uses no
+        sequence number. Raises RuntimeError after ``close()``.
+        """
+        if not events:
+            return
+        if ts is None:
+            ts = time.time()
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("publish() on a closed ZmqEventPublisher")
+            if len(self._queue) >= self._max_queue_size:
+                self._queue.popleft()
+                self.num_dropped_batches += 1
+            self._queue.append((self._next_seq, ts, events))
+            self._next_seq += 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, release the sockets. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(self._close_timeout_s)
+        if self._thread.is_alive():
+            # Sockets are not thread-safe: leave them to the (daemon) thread rather than
+            # close them under it.
+            logger.warning("KV event publisher thread did not stop within %.1fs",
+                           self._close_timeout_s)
+            return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        # A short linger lets the last batches reach connected subscribers without letting
+        # a dead peer hold shutdown hostage.
+        self._pub.close(linger=_CLOSE_LINGER_MS)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._context.term()
+
+    # -- background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue and not self._closing and self._replay is None:
+                    self._cond.wait(_IDLE_WAIT_S * 5)
+                pending = list(self._queue)
+                self._queue.clear()
+                closing = self._closing
+            for seq, ts, events in pending:
+                try:
+                    self._send(seq, ts, events)
+                except Exception:
+                    # One bad batch must not kill the stream; subscribers see its gap.
+                    logger.exception("failed to publish KV event batch %d", seq)
+            if self._replay is not None:
+                try:
+                    self._serve_replay(wait=not pending and not closing)
+                except Exception:
+                    logger.exception("failed to serve a KV event replay request")
+            if closing and not pending:
+                return
+
+    def _send(self, seq: int, ts: float, events: Sequence[KVCacheEvent]) -> None:
+        batch = make_batch(events, ts, self._data_parallel_rank, self._block_hash_format)
+        payload = encode_batch(batch)
+        seq_bytes = seq_to_bytes(seq)
+        self._pub.send_multipart((self._topic, seq_bytes, payload), copy=False)
+        self._replay_buffer.append((seq, payload))
+        self.num_published_batches += 1
+
+    def _serve_replay(self, wait: bool) -> None:
+        replay = self._replay
+        if not replay.poll(int(_IDLE_WAIT_S * 1000) if wait else 0):
+            return
+        import zmq
+
+        # Answer every request already waiting, not just one, so a burst of late joiners
+        # does not wait one idle period each.
+        while replay.poll(0):
+            frames = replay.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3:
+                logger.warning("ignoring malformed KV event replay request (%d frames)",
+                               len(frames))
+                continue
+            client_id, _, start_frame = frames
+            start_seq = int.from_bytes(start_frame, "big")
+            self.num_replay_requests += 1
+            for seq, payload in self._replay_buffer:
+                if seq >= start_seq:
+                    replay.send_multipart((client_id, b"", seq_to_bytes(seq), payload),
+                                          copy=False)
+            replay.send_multipart((client_id, b"", END_OF_REPLAY, b""))
+
+
+def make_event_publisher(endpoint: str | None, **kwargs) -> EventPublisher:
+    """A ``ZmqEventPublisher`` on ``endpoint``, or a ``NullEventPublisher`` when it is None.
+
+    ``kwargs`` go to ``ZmqEventPublisher`` unchanged.
+    """
+    if endpoint is None:
+        return NullEventPublisher()
+    return ZmqEventPublisher(endpoint, **kwargs)
