@@ -14,6 +14,7 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
+    "prefixcache.events.cmd",
 ]
 
 
