@@ -1,0 +1,68 @@
+"""What the paged attention layer needs to know about one batched step.
+
+The model runner builds one `AttentionMetadata` per step (once, not per layer) and passes it
+explicitly through the model to every attention layer. Tokens of the step are laid out
+sequence after sequence ("packed"): sequence i owns rows `[token_start, token_end)` of every
+[num_tokens, ...] tensor.
+
+Vocabulary: a *slot* is one token's row in a layer's paged KV tensor,
+`slot = block_id * block_size + offset_in_block`; a sequence's *context* is the tokens already
+in the KV cache before this step; its *length* is context + the tokens computed this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ChunkAttention:
+    """One sequence computing several tokens this step (a prompt or a prefill chunk).
+
+    `key_slots` [seq_len] are the slots of all its keys, positions 0..seq_len-1, in order -
+    its block table expanded to tokens. None when the sequence has no context: its keys are
+    exactly this step's keys, so attention reads them directly and masks causally.
+    `causal_mask` [num_query_tokens, seq_len] bool (True = may attend) is set with
+    `key_slots`: query i sits at position context_len + i and sees keys 0..context_len + i.
+    """
+
+    token_start: int
+    token_end: int
+    key_slots: torch.Tensor | None
+    causal_mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs of paged attention, built by the model runner.
+
+    - `positions` [num_tokens] int64: each token's absolute position in its sequence (RoPE).
+    - `slot_mapping` [num_tokens] int64: where each token's new K/V is written.
+    - `chunks`: sequences with more than one query token, attended one at a time.
+    - `decode_token_indices` [num_decodes] int64: rows of single-token sequences, which are
+      attended together as one padded batch (`None` when there are none).
+    - `decode_key_slots` [num_decodes, max_seq_len] int64: slots of each such sequence's keys,
+      padded with slot 0 past its length.
+    - `decode_key_mask` [num_decodes, 1, 1, max_seq_len] bool: True for real keys.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    chunks: list[ChunkAttention]
+    decode_token_indices: torch.Tensor | None = None
+    decode_key_slots: torch.Tensor | None = None
+    decode_key_mask: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+@dataclass(slots=True)
+class KVCache:
+    """One layer's paged K and V: each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor

@@ -1,0 +1,174 @@
+"""The model runner: owns the paged KV tensors and executes one batched step.
+
+It decides nothing. The scheduler says which tokens of which sequences to compute
+(`ScheduledSequence`), the KV cache manager has already said which blocks hold them; the
+runner turns that into packed model inputs and attention metadata - in `build_step_inputs`,
+the one place positions, slots and block tables are derived - runs the model and returns the
+logits of the sequences that will sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.model.attention_metadata import AttentionMetadata, ChunkAttention, KVCache
+from prefixcache.model.config import ModelArchConfig
+from prefixcache.model.llama import LlamaForCausalLM
+from prefixcache.worker.scheduled_sequence import ScheduledSequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Packed model inputs for one step (see `AttentionMetadata` for the layout)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num sequences with needs_logits] int64, input order
+
+
+class ModelRunner:
+    """Runs `model` over a paged KV cache of `num_kv_blocks` blocks of `block_size` tokens.
+
+    Per layer it allocates a K and a V tensor of shape
+    [num_kv_blocks, block_size, num_kv_heads, head_dim] in `dtype` (default: the model's
+    parameter dtype). Block ids handed in by callers index the first dimension.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        arch_config: ModelArchConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if num_kv_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_kv_blocks and block_size must be positive, got {num_kv_blocks}, {block_size}"
+            )
+        self.model = model
+        self.arch_config = arch_config
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        shape = (num_kv_blocks, block_size, arch_config.num_kv_heads, arch_config.head_dim)
+        self.kv_caches = [
+            KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(arch_config.num_layers)
+        ]
+        # [block_size]: offsets within a block, reused to expand block tables into slots.
+        self._block_offsets = torch.arange(block_size, dtype=torch.int64)
+
+    @torch.inference_mode()
+    def execute(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """Compute one step; returns float32 logits [num sequences with needs_logits, vocab]
+        in input order (an empty [0, vocab] tensor if none needs logits)."""
+        if not sequences:
+            return torch.empty(0, self.arch_config.vocab_size)
+        inputs = self.build_step_inputs(sequences)
+        return self.model(inputs.input_ids, self.kv_caches, inputs.metadata, inputs.logits_indices)
+
+    def build_step_inputs(self, sequences: Sequence[ScheduledSequence]) -> StepInputs:
+        """Derive token ids, positions, slot mapping and per-sequence key slots.
+
+        Raises ValueError if a sequence has no tokens, a block table too short for its
+        tokens, a block id outside the pool, or runs past the model's maximum position.
+        """
+        block_size = self.block_size
+        max_positions = self.arch_config.max_position_embeddings
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        chunks: list[ChunkAttention] = []
+        decode_rows: list[int] = []
+        decode_block_tables: list[list[int]] = []
+        decode_seq_lens: list[int] = []
+        logits_rows: list[int] = []
+
+        for seq in sequences:
+            num_new = len(seq.token_ids)
+            start = seq.start_position
+            end = start + num_new
+            if num_new == 0:
+                raise ValueError(f"request {seq.request_id}: no tokens scheduled")
+            if start < 0 or end > max_positions:
+                raise ValueError(
+                    f"request {seq.request_id}: positions {start}..{end - 1} exceed the "
+                    f"model's maximum position {max_positions - 1}"
+                )
+            num_needed_blocks = -(-end // block_size)
+            if len(seq.block_ids) < num_needed_blocks:
+                raise ValueError(
+                    f"request {seq.request_id}: {end} tokens need {num_needed_blocks} blocks, "
+                    f"block table has {len(seq.block_ids)}"
+                )
+            block_ids = seq.block_ids[:num_needed_blocks]
+            if min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks:
+                raise ValueError(
+                    f"request {seq.request_id}: block ids must be in [0, {self.num_kv_blocks})"
+                )
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids)
+            positions.append(torch.arange(start, end, dtype=torch.int64))
+            if num_new == 1:
+                # Decodes (and 1-token chunks) are attended together as one padded batch.
+                slot = block_ids[start // block_size] * block_size + start % block_size
+                slot_mapping.append(torch.tensor([slot], dtype=torch.int64))
+                decode_rows.append(row)
+                decode_block_tables.append(block_ids)
+                decode_seq_lens.append(end)
+            else:
+                # [num_needed_blocks, block_size] -> [end]: the slot of every position.
+                seq_slots = (
+                    torch.tensor(block_ids, dtype=torch.int64)[:, None] * block_size
+                    + self._block_offsets
+                ).view(-1)[:end]
+                slot_mapping.append(seq_slots[start:])
+                if start == 0:
+                    chunks.append(ChunkAttention(row, row + num_new, None, None))
+                else:
+                    # Query i (position start + i) sees keys 0..start + i.
+                    key_positions = torch.arange(end)
+                    query_positions = torch.arange(start, end)
+                    causal_mask = key_positions[None, :] <= query_positions[:, None]  # [q, end]
+                    chunks.append(ChunkAttention(row, row + num_new, seq_slots, causal_mask))
+            if seq.needs_logits:
+                logits_rows.append(row + num_new - 1)
+
+        metadata = AttentionMetadata(
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slot_mapping),
+            chunks=chunks,
+        )
+        if decode_rows:
+            self._add_decode_metadata(metadata, decode_rows, decode_block_tables, decode_seq_lens)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+        )
+
+    def _add_decode_metadata(
+        self,
+        metadata: AttentionMetadata,
+        decode_rows: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+    ) -> None:
+        max_blocks = max(len(table) for table in block_tables)
+        max_len = max(seq_lens)
+        # Pad with block 0: its slots are valid indices, and the mask hides them.
+        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64)  # [D, max_blocks]
+        # [D, max_blocks, block_size] -> [D, max_blocks * block_size] -> [D, max_len]
+        key_slots = (tables[:, :, None] * self.block_size + self._block_offsets).view(
+            len(decode_rows), -1
+        )[:, :max_len]
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        key_mask = torch.arange(max_len)[None, :] < lens[:, None]  # [D, max_len]
+        metadata.decode_token_indices = torch.tensor(decode_rows, dtype=torch.int64)
+        metadata.decode_key_slots = key_slots
+        metadata.decode_key_mask = key_mask[:, None, None, :]  # [D, 1, 1, max_len]
