@@ -8,12 +8,32 @@ incrementally by :meth:`Request.append_output_token_ids`.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from prefixcache.core.hashing import BlockHash, BlockHasher
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler's life cycle."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; waiting to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in _FINISHED_VALUES
+
+
+_FINISHED_VALUES = frozenset({"stop", "length", "abort", "error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +58,9 @@ class MultiModalFeature:
 class Request:
     """Token state of one request.
 
-    ``num_computed_tokens`` is advanced by the caller (the scheduler) after the model has
-    computed tokens; the manager only reads it. ``block_hashes[i]`` is the chained hash of
+    ``num_computed_tokens`` is advanced by the caller (the scheduler) once tokens are
+    scheduled for computation; the manager only reads it. ``status`` and
+    ``num_preemptions`` belong to the scheduler. ``block_hashes[i]`` is the chained hash of
     full block ``i``; partial blocks have no hash.
     """
 
@@ -47,7 +68,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "cache_salt", "lora_name", "lora_path", "lora_id",
         "mm_features", "skip_reading_prefix_cache", "block_hashes", "block_hasher",
-        "has_extra_keys", "_next_hash_at",
+        "has_extra_keys", "_next_hash_at", "status", "num_preemptions",
     )
 
     def __init__(
@@ -83,6 +104,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.block_hasher: BlockHasher | None = None
         self._next_hash_at = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
         if block_hasher is not None:
             self.attach_block_hasher(block_hasher)
 

@@ -1,0 +1,240 @@
+"""The scheduler: which tokens of which requests the model computes in the next step.
+
+One idea covers prefill, chunked prefill, decode and cache hits alike: every request's
+``num_computed_tokens`` catches up with its ``num_tokens``. Each step hands out a budget of
+``max_num_batched_tokens``:
+
+1. Running requests first, oldest admitted first, each taking
+   ``min(num_tokens - num_computed_tokens, remaining budget)`` — one token when decoding,
+   a chunk when a long prompt is still being prefilled. When the KV cache manager cannot
+   fit a running request, the most recently admitted running request is preempted: its
+   blocks are freed (they stay cached) and it goes back to the front of the queue to be
+   recomputed, usually hitting its own cached blocks.
+2. Then, if nothing was preempted, waiting requests in arrival order while
+   ``max_num_seqs`` and the budget allow. A cache hit counts as already computed, so only
+   the uncached tokens spend budget.
+
+Scheduled tokens count as computed as soon as they are scheduled (the model runs them in
+this step), so the scheduler's state is consistent before the step's results come back.
+The engine then appends sampled tokens to requests whose chunk reached their last token
+(``needs_logits``) and finishes requests via :meth:`Scheduler.finish_request`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step. Chunked prefill splits prompts longer than the remaining budget;
+    without it, a prompt longer than ``max_num_batched_tokens`` can never run."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's work in a step: compute ``num_new_tokens`` tokens starting at
+    ``start_position`` into the blocks of ``block_ids``. ``needs_logits`` is True when the
+    chunk ends at the request's last known token, so a token is sampled from it."""
+
+    request: Request
+    num_new_tokens: int
+    start_position: int
+    block_ids: list[int]
+    needs_logits: bool
+    num_hit_tokens: int = 0  # set on the step that admits the request
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.start_position
+        return self.request.all_token_ids[start:start + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the next step computes, plus what the scheduler changed to make room."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests the scheduler ended itself: they outgrew the whole KV pool while decoding.
+    finished_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching over one :class:`KVCacheManager`."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------
+
+    def check_can_ever_fit(self, request: Request, num_extra_tokens: int = 0) -> str | None:
+        """Why ``request`` (plus ``num_extra_tokens`` it may generate) can never run, or
+        None. Checked on arrival so an impossible request fails alone, immediately."""
+        manager = self.kv_cache_manager
+        num_tokens = request.num_tokens + num_extra_tokens
+        num_blocks_needed = -(-num_tokens // manager.block_size)
+        if num_blocks_needed > manager.num_blocks:
+            return (f"request needs {num_tokens} tokens of KV cache ({num_blocks_needed} "
+                    f"blocks of {manager.block_size}) but the whole pool holds "
+                    f"{manager.num_blocks} blocks")
+        if not self.config.enable_chunked_prefill and \
+                request.num_tokens > self.config.max_num_batched_tokens:
+            return (f"prompt of {request.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens} and chunked prefill is off")
+        return None
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``. Raises ValueError for a duplicate id or when it can never fit
+        (see :meth:`check_can_ever_fit`)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        reason = self.check_can_ever_fit(request)
+        if reason is not None:
+            raise ValueError(reason)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request wherever it is and free its blocks. Unknown ids are ignored
+        (a request may finish and be aborted in the same step). Returns the request."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        return request
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        for request_id in list(request_ids):
+            self.finish_request(request_id, status)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step and advance ``num_computed_tokens`` of what it computes."""
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        manager = self.kv_cache_manager
+
+        # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            while manager.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running[-1]
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                self._schedule(request, num_new_tokens, output)
+                budget -= num_new_tokens
+                index += 1
+                continue
+            break  # ``request`` preempted itself: nothing later in the list is left
+
+        # 2. Waiting requests, unless this step had to preempt (no room for newcomers).
+        if not output.preempted_request_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_hit_tokens
+                if num_new_tokens > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    num_new_tokens = budget
+                if manager.allocate_slots(request, num_new_tokens, num_hit_tokens,
+                                          hit_blocks) is None:
+                    if self.running:
+                        break  # wait for running requests to finish and free blocks
+                    # Every block is free and it still does not fit: it has grown past the
+                    # pool (prompt plus outputs), so no amount of waiting will help.
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+                    output.finished_requests.append(request)
+                    continue
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                self.running.append(request)
+                scheduled = self._schedule(request, num_new_tokens, output)
+                scheduled.num_hit_tokens = num_hit_tokens
+                budget -= num_new_tokens
+        return output
+
+    def _schedule(self, request: Request, num_new_tokens: int,
+                  output: SchedulerOutput) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new_tokens
+        scheduled = ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new_tokens,
+            start_position=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            needs_logits=request.num_computed_tokens == request.num_tokens,
+        )
+        output.scheduled.append(scheduled)
+        output.num_scheduled_tokens += num_new_tokens
+        return scheduled
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Free ``request``'s blocks and queue it first for recomputation. Its tokens so far
+        (prompt and outputs) are kept; its cached blocks will usually be hit again."""
+        # Victims come from the end of ``running``, past every request scheduled so far
+        # this step, so nothing needs to be taken back out of ``output``.
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted_request_ids.append(request.request_id)
