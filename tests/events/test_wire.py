@@ -171,3 +171,12 @@ def test_decode_rejects_garbage():
         decode_batch(b"\x01\x02\x03")
     with pytest.raises(TypeError):
         to_wire_event(object())  # type: ignore[arg-type]
+
+
+def test_importing_the_package_does_not_load_pyzmq():
+    # The engine imports prefixcache.events whether or not events are on.
+    import subprocess
+    import sys
+
+    code = "import sys, prefixcache.events; sys.exit('zmq' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
