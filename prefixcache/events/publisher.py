@@ -115,6 +115,10 @@ class ZmqEventPublisher(EventPublisher):
     Attributes read by the server's ``/metrics``: ``num_published_batches`` (sent on the
     PUB socket) and ``num_dropped_batches`` (lost to a full queue).
 
+    With a replay socket the thread alternates between the queue and the socket, so a batch
+    may wait up to ``_IDLE_WAIT_S`` (20 ms) before it is sent; without one it is sent as soon
+    as the thread wakes.
+
     Socket errors (a taken port, a bad address) raise from the constructor. After that
     every socket belongs to the background thread. ``close()`` sends what is queued,
     stops the thread and releases the sockets; it is bounded by ``close_timeout_s``.
