@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from prefixcache.core.request import Request
 
 # What a cached block holds, compared by the collision guard: (token ids, extra keys).
-BlockContent = tuple[tuple[int, ...], "tuple | None"]
+BlockContent = tuple[list[int], "tuple | None"]
 
 
 class BlockHashToBlockMap:
@@ -50,10 +50,16 @@ class BlockHashToBlockMap:
     lookup costs one dict access.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_num_blocks")
 
     def __init__(self) -> None:
         self._cache: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self._num_blocks = 0
+
+    @property
+    def num_duplicate_blocks(self) -> int:
+        """Blocks cached under a hash that another block also holds."""
+        return self._num_blocks - len(self._cache)
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -83,6 +89,7 @@ class BlockHashToBlockMap:
         """Add ``block`` under ``block_hash``; True when the hash was not cached before."""
         cache = self._cache
         entry = cache.get(block_hash)
+        self._num_blocks += 1
         if entry is None:
             cache[block_hash] = block
             return True
@@ -103,14 +110,18 @@ class BlockHashToBlockMap:
             if entry.block_id != block_id:
                 return None
             del cache[block_hash]
+            self._num_blocks -= 1
             return entry
         block = entry.pop(block_id, None)
+        if block is not None:
+            self._num_blocks -= 1
         if not entry:
             del cache[block_hash]
         return block
 
     def clear(self) -> None:
         self._cache.clear()
+        self._num_blocks = 0
 
 
 class BlockPool:
@@ -223,7 +234,7 @@ class BlockPool:
         start = block_index * block_size
         extra = request.block_extra_keys(block_index, block_size) if request.has_extra_keys \
             else None
-        return tuple(request.all_token_ids[start:start + block_size]), extra
+        return request.all_token_ids[start:start + block_size], extra
 
     def _emit_stored(self, request: Request, block_indices: list[int], block_size: int) -> None:
         """One BlockStored per run of consecutive newly cached hashes."""
@@ -258,7 +269,22 @@ class BlockPool:
             if block.ref_cnt == 0:
                 released.append(block)
         if released:
+            if self.cached_block_hash_to_block.num_duplicate_blocks:
+                self._uncache_released_duplicates(released)
             self.free_block_queue.release(released)
+
+    def _uncache_released_duplicates(self, released: list[KVCacheBlock]) -> None:
+        """A released block whose hash another block also holds is redundant: drop its
+        hash, so the design's duplicated blocks disappear when their request is freed and
+        the hash stays on exactly one block. The hash itself remains cached, so no event."""
+        cache = self.cached_block_hash_to_block
+        for block in released:
+            block_hash = block.block_hash
+            if block_hash is not None and len(cache.get_all_blocks(block_hash)) > 1:
+                cache.pop(block_hash, block.block_id)
+                block.block_hash = None
+                if self.block_contents is not None:
+                    self.block_contents[block.block_id] = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False, nothing changed) while any block is

@@ -119,6 +119,37 @@ def _encode_compact(obj: Any) -> bytes:
     return _pickle(obj)
 
 
+# Memoising each integer's CBOR encoding bounds memory against adversarial token ids.
+_MAX_MEMOISED_INTS = 1 << 20
+_CBOR_NULL = b"\xf6"
+
+
+class _CborIntEncodings(dict):
+    """int -> ``cbor2.dumps(int)``, memoised. Token ids repeat endlessly and cbor2 costs
+    about a microsecond a call, so the CBOR algorithms build each block's encoding from
+    these pieces instead of encoding the tuple whole. cbor2 always encodes integers in
+    their shortest form, which is also the canonical one, so the bytes are identical."""
+
+    def __missing__(self, value: int) -> bytes:
+        encoded = cbor2.dumps(value)
+        if len(self) < _MAX_MEMOISED_INTS:
+            self[value] = encoded
+        return encoded
+
+
+_CBOR_INTS = _CborIntEncodings()
+
+
+def _cbor_head(major_type: int, length: int) -> bytes:
+    """The shortest CBOR head of ``major_type`` with argument ``length``."""
+    if length < 24:
+        return bytes((major_type << 5 | length,))
+    for additional_info, num_bytes in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if length < 1 << (8 * num_bytes):
+            return bytes((major_type << 5 | additional_info,)) + length.to_bytes(num_bytes, "big")
+    raise ValueError(f"CBOR length {length} too large")
+
+
 def get_hash_fn(hash_algo: str) -> HashFn:
     """The generic ``obj -> digest`` function of an algorithm (used for the seed and tests).
 
@@ -170,7 +201,7 @@ class BlockHasher:
     manager. ``none_hash`` is the parent of every request's first block.
     """
 
-    __slots__ = ("hash_algo", "hash_seed", "block_size", "hash_fn", "none_hash", "_fast_sha256")
+    __slots__ = ("hash_algo", "hash_seed", "block_size", "hash_fn", "none_hash", "_digest_fn")
 
     def __init__(self, block_size: int, hash_algo: str = DEFAULT_HASH_ALGO,
                  hash_seed: str | None = None) -> None:
@@ -181,7 +212,12 @@ class BlockHasher:
         self.hash_fn = get_hash_fn(hash_algo)
         self.hash_seed = resolve_hash_seed(hash_algo, hash_seed)
         self.none_hash: BlockHash = self.hash_fn(self.hash_seed)
-        self._fast_sha256 = hash_algo == "sha256"
+        # ``bytes -> object with .digest()`` for the CBOR algorithms' fast path.
+        self._digest_fn = None
+        if hash_algo == "sha256_cbor":
+            self._digest_fn = hashlib.sha256
+        elif hash_algo == "xxhash_cbor":
+            self._digest_fn = _require_xxh3_128()
 
     def hash_block_tokens(self, parent_hash: BlockHash | None, token_ids: Sequence[int],
                           extra_keys: tuple | None = None) -> BlockHash:
@@ -202,7 +238,7 @@ class BlockHasher:
         parent = self.none_hash if parent_hash is None else parent_hash
         hashes: list[BlockHash] = []
         append = hashes.append
-        if self._fast_sha256:
+        if self.hash_algo == "sha256":
             # Encode all tokens once and slice per block: the hot path of every prompt.
             token_bytes = _encode_tokens(token_ids[: num_blocks * block_size])
             stride = 8 * block_size
@@ -216,6 +252,23 @@ class BlockHasher:
                 parent = sha256(
                     join((head, parent, count, token_bytes[i * stride:(i + 1) * stride], tail))
                 ).digest()
+                append(parent)
+            return hashes
+        if self._digest_fn is not None:
+            # Canonical CBOR of (parent, tokens, extra), assembled from memoised pieces.
+            digest_fn = self._digest_fn
+            ints = _CBOR_INTS.__getitem__
+            join = b"".join
+            parent_head = b"\x83" + _cbor_head(2, len(parent))  # array(3), bytes(len)
+            tokens_head = _cbor_head(4, block_size)  # array(block_size)
+            for i in range(num_blocks):
+                extra = None if extra_keys_per_block is None else extra_keys_per_block[i]
+                start = i * block_size
+                parent = digest_fn(join((
+                    parent_head, parent, tokens_head,
+                    join(map(ints, token_ids[start:start + block_size])),
+                    _CBOR_NULL if extra is None else _cbor(extra),
+                ))).digest()
                 append(parent)
             return hashes
         hash_fn = self.hash_fn

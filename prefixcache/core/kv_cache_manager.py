@@ -15,7 +15,8 @@ The scheduler drives it per request:
    blocks are evicted first and its shared prefix last.
 
 Block tables are append-only: a block that turns out to duplicate a cached one stays in
-the table until the request is freed (the design's "duplicated blocks").
+the table until the request is freed (the design's "duplicated blocks"); freeing it then
+drops the redundant copy's hash, so one hash is held by one free block.
 """
 
 from __future__ import annotations
@@ -134,16 +135,23 @@ class KVCacheManager:
         return computed, num_hit_tokens
 
     def _find_verified_hits(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
-        """Like the plain lookup, but a block counts only if it holds this very content."""
-        pool = self.block_pool
-        contents = pool.block_contents
+        """Like the plain lookup, but a block counts only if it holds this very content:
+        the same token ids and the same extra keys as the request's block."""
+        contents = self.block_pool.block_contents
+        lookup = self.block_pool.cached_block_hash_to_block._cache.get
         block_hashes = request.block_hashes
+        all_token_ids = request.all_token_ids
+        block_size = self.block_size
+        has_extra_keys = request.has_extra_keys
         computed: list[KVCacheBlock] = []
         for i in range(min(max_hit_blocks, len(block_hashes))):
-            candidates = pool.cached_block_hash_to_block.get_all_blocks(block_hashes[i])
-            if not candidates:
+            entry = lookup(block_hashes[i])
+            if entry is None:
                 break
-            expected = pool.request_block_content(request, i, self.block_size)
+            start = i * block_size
+            expected = (all_token_ids[start:start + block_size],
+                        request.block_extra_keys(i, block_size) if has_extra_keys else None)
+            candidates = (entry,) if type(entry) is KVCacheBlock else entry.values()
             match = next((b for b in candidates if contents[b.block_id] == expected), None)
             if match is None:
                 self.num_hash_collisions += 1
