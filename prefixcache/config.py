@@ -1,0 +1,81 @@
+"""Narrow, validated configuration dataclasses for the engine.
+
+Each component takes only the scalars it needs; these dataclasses exist so that the engine's
+options are checked once, in one place, with messages that name the option. The scheduler's
+own limits live in :class:`prefixcache.core.scheduler.SchedulerConfig` (re-exported here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixcache.core.hashing import HASH_ALGOS
+from prefixcache.core.scheduler import SchedulerConfig
+
+__all__ = [
+    "DEFAULT_KV_CACHE_MEMORY_BYTES",
+    "DTYPES",
+    "CacheConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+]
+
+# 2 GiB of K/V: on the 24 GiB CPU machines this project targets it leaves ample room for
+# the model, activations and the OS. For the default SmolLM2-135M in float32 (30 layers,
+# 3 KV heads of 64) one 16-token block takes 720 KiB, so this holds ~2,900 blocks, i.e.
+# ~46,000 tokens: 32 requests of 1,500 tokens with room to spare.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to load and in which dtype.
+
+    ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a path to a ``.gguf`` file,
+    or a Hugging Face model folder. ``dtype`` applies to the weights and the KV cache.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache and its prefix cache.
+
+    The pool size is ``num_kv_blocks`` when given, otherwise as many blocks as fit in
+    ``kv_cache_memory_bytes`` — capped at what ``max_num_seqs`` sequences of the model's full
+    context could ever use, so a tiny model does not get millions of idle blocks.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    hash_algo: str = "sha256"
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(
+                f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}"
+            )
+        if not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                "kv_cache_memory_bytes must be a positive integer, "
+                f"got {self.kv_cache_memory_bytes!r}"
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )

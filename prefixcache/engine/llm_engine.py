@@ -1,0 +1,330 @@
+"""The synchronous engine: requests in, one scheduler step + model run + sampling per
+:meth:`LLMEngine.step`, outputs out.
+
+Data goes one way each step::
+
+    Scheduler.schedule() -> ScheduledSequence[] -> ModelRunner.execute() -> logits
+        -> Sampler.sample() -> Request.append_output_token_ids() -> stop checks
+        -> Scheduler.finish_request() for requests that finished
+
+The scheduler has already advanced every scheduled request's ``num_computed_tokens`` when
+the model runs, so the only thing the engine feeds back is the sampled tokens and the
+requests that finished.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from prefixcache.config import (
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.request import Request, RequestStatus
+from prefixcache.core.scheduler import Scheduler, SchedulerOutput
+from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.request_state import RequestState
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.engine.stats import EngineStats
+from prefixcache.model.loader import LoadedModel, load_model
+from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
+from prefixcache.worker.model_runner import ModelRunner
+from prefixcache.worker.scheduled_sequence import ScheduledSequence
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    """One model, one paged KV cache, one scheduler. Not thread-safe: drive it from one
+    thread (``AsyncLLM`` does so for the server).
+
+    Use :meth:`from_options` to build one. Attributes callers rely on: ``tokenizer``,
+    ``max_model_len`` (the model's context length), ``num_kv_blocks``, ``block_size``.
+    """
+
+    def __init__(
+        self,
+        loaded_model: LoadedModel,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        *,
+        seed: int | None = None,
+        hash_seed: str | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.loaded_model = loaded_model
+        self.tokenizer = loaded_model.tokenizer
+        self.arch_config = loaded_model.arch_config
+        self.max_model_len = self.arch_config.max_position_embeddings
+        self.block_size = cache_config.block_size
+        dtype = TORCH_DTYPES[model_config.dtype]
+        self.num_kv_blocks = (
+            cache_config.num_kv_blocks
+            if cache_config.num_kv_blocks is not None
+            else default_num_kv_blocks(loaded_model, cache_config, scheduler_config, dtype)
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks,
+            self.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.hash_algo,
+            hash_seed=hash_seed,
+            enable_events=cache_config.enable_kv_events,
+        )
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.runner = ModelRunner(
+            loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
+        )
+        self.sampler = Sampler(seed)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(self.arch_config.eos_token_ids)
+        self.vocab_size = self.arch_config.vocab_size
+        self.request_states: dict[str, RequestState] = {}
+        # Outputs decided outside a step (aborts) are delivered by the next step().
+        self._pending_outputs: list[RequestOutput] = []
+        self._stats = EngineStats()
+
+    @classmethod
+    def from_options(
+        cls,
+        model: str | Path | LoadedModel | None = None,
+        *,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
+        seed: int | None = None,
+        enable_kv_events: bool = False,
+    ) -> LLMEngine:
+        """Validate the options, load the model and build the engine.
+
+        ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
+        Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
+        by engines compared side by side; its weights are then used in their own dtype).
+        ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
+        prefix-cache block hashes. Raises ValueError for an invalid option and
+        FileNotFoundError / ValueError (from the loader) for a missing or unsupported model.
+        """
+        model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
+        model_config = ModelConfig(model=model_path, dtype=dtype)
+        cache_config = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            hash_algo=hash_algo,
+            enable_kv_events=enable_kv_events,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:
+            loaded = load_model(model_path, TORCH_DTYPES[dtype])
+        return cls(loaded, model_config, cache_config, scheduler_config,
+                   seed=seed, hash_seed=hash_seed)
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        """Queue a request; it runs from the next :meth:`step`.
+
+        The engine runs one sample per request (``sampling_params.n`` is the caller's to
+        expand). Raises ValueError, and queues nothing, for: a duplicate id, invalid
+        params, an empty prompt or a token id outside the vocabulary, a prompt plus
+        ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool.
+        A request whose generated tokens later outgrow the pool ends with ``"length"``.
+        """
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+            )
+        sampling_params.validate()
+        prompt_token_ids = list(prompt_token_ids)
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab_size = self.vocab_size
+        for token_id in prompt_token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) \
+                    or not 0 <= token_id < vocab_size:
+                raise ValueError(f"request {request_id!r}: prompt token {token_id!r} is not "
+                                 f"a token id of this model (0..{vocab_size - 1})")
+        if num_prompt_tokens + sampling_params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
+                f"({sampling_params.max_tokens}) exceeds the model's context length "
+                f"max_model_len={self.max_model_len}"
+            )
+        request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        self.scheduler.add_request(request)  # ValueError if it can never fit the pool
+        self.request_states[request_id] = RequestState(
+            request,
+            sampling_params,
+            self.tokenizer,
+            self.eos_token_ids,
+            time.time() if arrival_time is None else arrival_time,
+            prompt=prompt,
+        )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests with ``"abort"`` and free their blocks; unknown or already
+        finished ids are ignored. Their final outputs come with the next :meth:`step`."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in list(request_ids):
+            state = self.request_states.pop(request_id, None)
+            if state is None:
+                continue
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            state.finish(RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(state.make_output())
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request runs or waits, or an abort's final output is undelivered."""
+        return bool(self.request_states) or bool(self._pending_outputs)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, check stops. Returns one output per request
+        that got a token or finished in this step (plus pending abort outputs)."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        scheduler_output = self.scheduler.schedule()
+        for request in scheduler_output.finished_requests:
+            # The scheduler ended it: it outgrew the whole KV pool.
+            outputs.append(self._finish(request.request_id, RequestStatus.FINISHED_LENGTH))
+        if scheduler_output.scheduled:
+            self._run(scheduler_output, outputs)
+        return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        states = self.request_states
+        sequences = []
+        sampling_states = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            state = states[request.request_id]
+            if state.num_cached_tokens is None:  # first admission
+                state.num_cached_tokens = scheduled.num_hit_tokens
+                self._stats.prompt_tokens += request.num_prompt_tokens
+            sequences.append(ScheduledSequence(
+                request.request_id, scheduled.token_ids, scheduled.start_position,
+                scheduled.block_ids, scheduled.needs_logits,
+            ))
+            if scheduled.needs_logits:
+                sampling_states.append(state)
+        try:
+            logits = self.runner.execute(sequences)
+        except Exception as error:  # noqa: BLE001 - reported on every request of the step
+            message = f"model execution failed: {type(error).__name__}: {error}"
+            for scheduled in scheduler_output.scheduled:
+                outputs.append(self._finish(scheduled.request.request_id,
+                                            RequestStatus.FINISHED_ERROR, message))
+            return
+        token_ids = self.sampler.sample(
+            logits, [s.params for s in sampling_states], [s.generator for s in sampling_states]
+        )
+        self._stats.generation_tokens += len(token_ids)
+        max_model_len = self.max_model_len
+        for state, token_id in zip(sampling_states, token_ids, strict=True):
+            state.request.append_output_token_ids(token_id)
+            status = state.append_token(token_id, max_model_len)
+            if status is None:
+                outputs.append(state.make_output())
+            else:
+                outputs.append(self._finish(state.request.request_id, status))
+
+    def _finish(self, request_id: str, status: RequestStatus,
+                error: str | None = None) -> RequestOutput:
+        state = self.request_states.pop(request_id)
+        self.scheduler.finish_request(request_id, status)  # no-op if the scheduler did it
+        state.finish(status, error)
+        return state.make_output()
+
+    # -- cache and stats --------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changed) while requests hold
+        blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        """Cumulative counters and current gauges (see :class:`EngineStats`)."""
+        stats = self._stats
+        cache_stats = self.kv_cache_manager.make_prefix_cache_stats()  # resets on read
+        stats.prefix_cache_queries += cache_stats.queries
+        stats.prefix_cache_hits += cache_stats.hits
+        return EngineStats(
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=self.kv_cache_manager.block_pool.num_evictions,
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+        )
+
+    def take_kv_events(self) -> list:
+        """Core KV cache events since the last call (empty unless ``enable_kv_events``)."""
+        if not self.cache_config.enable_kv_events:
+            return []
+        return self.kv_cache_manager.take_events()
+
+
+def default_num_kv_blocks(
+    loaded_model: LoadedModel,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    dtype: torch.dtype,
+) -> int:
+    """Blocks that fit ``kv_cache_memory_bytes``, but no more than ``max_num_seqs``
+    sequences at the model's full context could ever hold at once."""
+    arch_config = loaded_model.arch_config
+    by_memory = num_kv_blocks_for_memory(
+        cache_config.kv_cache_memory_bytes, arch_config, cache_config.block_size, dtype
+    )
+    blocks_per_sequence = math.ceil(arch_config.max_position_embeddings / cache_config.block_size)
+    return min(by_memory, scheduler_config.max_num_seqs * blocks_per_sequence)
