@@ -1,0 +1,476 @@
+"""AsyncLLM: the synchronous engine behind an asyncio front end, for the server.
+
+The engine is not thread-safe, so exactly one thread touches it: the *engine loop*, a
+daemon thread that owns it. Everything else talks to that thread through one thread-safe
+command queue (add, abort, reset, shutdown) and hears back through the asyncio event loop
+of whoever asked (``loop.call_soon_threadsafe``). Requests from every client therefore meet
+in one engine and are batched by its scheduler.
+
+Loop iteration::
+
+    take commands (block only when the engine is idle) -> apply them in arrival order
+    -> engine.step() if there is work -> deliver outputs, grouped per stream
+    -> publish the step's KV events -> refresh the stats snapshot
+
+Contracts:
+
+* An :class:`OutputStream` carries the outputs of the engine requests added together (the
+  ``n`` choices of one prompt, or a batch of prompts) and ends once all of them finished.
+  Leaving it early (``aclose``, ``async with``, cancellation, a client disconnect) aborts
+  the unfinished ones, so their KV blocks are freed.
+* ``add_requests`` returns only once the engine accepted every request, so a ValueError
+  from the engine (a bad prompt, bad sampling params) reaches the caller before it commits
+  to a response. A partial batch is never left running.
+* An aborted request's stream receives a final output with ``finish_reason="abort"``
+  synthesized here; whatever the engine later reports for that id is dropped.
+* If the engine raises, every live stream and every later call gets
+  :class:`EngineDeadError`; ``is_healthy`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.engine.outputs import RequestMetrics, RequestOutput
+from prefixcache.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from prefixcache.engine.sampling_params import SamplingParams
+    from prefixcache.events.publisher import EventPublisher
+
+logger = logging.getLogger(__name__)
+
+# How long an idle engine loop sleeps on the command queue before re-checking its state.
+# Commands wake it at once; this only bounds how stale an idle loop's view can get.
+_IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (the engine raised, or AsyncLLM was shut down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """One engine request to add: the arguments of ``LLMEngine.add_request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+
+
+# ---- commands (event loop -> engine loop) ---------------------------------------------
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: list[NewRequest]
+    stream: OutputStream
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Reset:
+    wait: bool
+    abort_running: bool
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Shutdown:
+    pass
+
+
+class OutputStream:
+    """Outputs of a group of engine requests, in the order the engine produced them.
+
+    Iterate with ``async for``; iteration ends when every request of the group finished.
+    Use as an async context manager (or call ``aclose``) so leaving early aborts what is
+    still running. Raises EngineDeadError if the engine dies meanwhile.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_ids: Sequence[str]) -> None:
+        self._llm = llm
+        self.request_ids = list(request_ids)
+        self._unfinished = set(self.request_ids)
+        self._queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
+        self._pending: list[RequestOutput] = []
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self._pending:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            self._pending = item
+        output = self._pending.pop(0)
+        if output.finished:
+            self._unfinished.discard(output.request_id)
+        return output
+
+    async def aclose(self) -> None:
+        """Abort every request of the group that has not finished. Idempotent."""
+        self.abort()
+
+    def abort(self) -> None:
+        """Synchronous ``aclose`` (safe in ``finally`` blocks of cancelled tasks)."""
+        if self._unfinished:
+            unfinished = list(self._unfinished)
+            self._unfinished.clear()
+            self._llm.abort(unfinished)
+
+    async def __aenter__(self) -> OutputStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()
+
+    # Called on the stream's event loop by the engine loop (call_soon_threadsafe).
+    def _put(self, item: list[RequestOutput] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Engine-loop side: where the outputs of one live engine request go."""
+
+    stream: OutputStream
+    loop: asyncio.AbstractEventLoop
+    prompt_token_ids: list[int]
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _PendingReset:
+    """A reset waiting for running requests to finish, and the adds held back until then."""
+
+    waiters: list[_Reset]
+    held_adds: list[_Add] = field(default_factory=list)
+
+
+class AsyncLLM:
+    """Drives one engine from a dedicated thread; the server's only way to the engine.
+
+    ``engine`` must follow ``LLMEngine``'s contract (``add_request``, ``abort_request``,
+    ``step``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``,
+    ``take_kv_events``). ``event_publisher`` receives each step's KV events (and the
+    AsyncLLM closes it on shutdown); None publishes nothing. The engine loop starts in the
+    constructor.
+    """
+
+    def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
+        self.engine = engine
+        self.event_publisher = event_publisher
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._request_id_to_tracked: dict[str, _Tracked] = {}
+        self._pending_reset: _PendingReset | None = None
+        self._stats: EngineStats = copy.copy(engine.get_stats())
+        self._dead_reason: str | None = None
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name="prefixcache-engine-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, *, kv_events_endpoint: str | None = None,
+                     kv_events_replay_endpoint: str | None = None,
+                     kv_events_topic: str = "", **engine_options: Any) -> AsyncLLM:
+        """Build the engine (``LLMEngine.from_options(**engine_options)``) and, when
+        ``kv_events_endpoint`` is set, a ZMQ KV event publisher bound to it (events are
+        then switched on in the engine)."""
+        from prefixcache.engine.llm_engine import LLMEngine
+        from prefixcache.events.publisher import make_event_publisher
+
+        publisher = None
+        if kv_events_endpoint is not None:
+            publisher = make_event_publisher(kv_events_endpoint,
+                                             replay_endpoint=kv_events_replay_endpoint,
+                                             topic=kv_events_topic)
+            engine_options["enable_kv_events"] = True
+        elif kv_events_replay_endpoint is not None:
+            raise ValueError("a KV events replay endpoint needs --kv-events-endpoint too")
+        try:
+            engine = LLMEngine.from_options(**engine_options)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
+        return cls(engine, publisher)
+
+    # ---- public API (call from an asyncio event loop) ----------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._thread.is_alive()
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def get_stats(self) -> EngineStats:
+        """The engine's stats as of the end of the engine loop's last iteration."""
+        return self._stats
+
+    async def add_requests(self, requests: Sequence[NewRequest]) -> OutputStream:
+        """Add ``requests`` to the engine as one group; returns their output stream.
+
+        Raises ValueError (and adds nothing) if the engine refuses any of them, and
+        EngineDeadError if the engine loop is gone.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = OutputStream(self, [r.request_id for r in requests])
+        done = loop.create_future()
+        self._put_command(_Add(list(requests), stream, loop, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            # The add may still land after we stop waiting: abort it so it cannot leak.
+            self.abort(stream.request_ids)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling_params: SamplingParams, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield one request's outputs until it finishes; aborts it if the caller stops
+        early."""
+        stream = await self.add_requests([NewRequest(
+            request_id, list(prompt_token_ids), sampling_params, cache_salt, arrival_time)])
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored). Does not wait; never
+        blocks, so it is safe from ``finally`` blocks and other threads."""
+        if request_ids:
+            self._commands.put(_Abort(list(request_ids)))
+
+    async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False) -> bool:
+        """Drop every cached block that no request holds; True if the cache is now empty.
+
+        - default: try now; False if running requests hold blocks.
+        - ``abort_running``: abort every unfinished request first (their streams end with
+          ``finish_reason="abort"``), then reset.
+        - ``wait``: new requests are held back (not refused) until the running ones have
+          finished, then the reset happens and the held requests are admitted. This
+          cannot starve under steady load, and waits as long as the longest running
+          request.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._put_command(_Reset(wait, abort_running, loop, done))
+        return await done
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine loop (live streams get EngineDeadError), close the publisher."""
+        if self._thread.is_alive():
+            self._commands.put(_Shutdown())
+            self._thread.join(timeout_s)
+        if self.event_publisher is not None:
+            self.event_publisher.close()
+
+    def _put_command(self, command: _Add | _Reset) -> None:
+        self._commands.put(command)
+        if not self._thread.is_alive():
+            # The loop died between our check and the put; nobody else will answer.
+            self._drain_commands(EngineDeadError(self._dead_reason or "engine loop stopped"))
+
+    def _check_alive(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+
+    # ---- engine loop (the only thread that touches self.engine) ------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._take_and_apply_commands():
+                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    return
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+                    self._deliver(outputs)
+                self._maybe_finish_pending_reset()
+                self._publish_events()
+                self._stats = copy.copy(self.engine.get_stats())
+        except BaseException as exc:  # the engine is in an unknown state: stop serving
+            logger.exception("engine loop failed; the server stops serving requests")
+            self._dead_reason = f"engine failed: {type(exc).__name__}: {exc}"
+            self._fail_all(EngineDeadError(self._dead_reason))
+
+    def _take_and_apply_commands(self) -> bool:
+        """Apply every queued command; False on shutdown. Blocks only when idle."""
+        commands = []
+        idle = not self.engine.has_unfinished_requests()
+        try:
+            if idle:
+                commands.append(self._commands.get(timeout=_IDLE_WAIT_S))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        for command in commands:
+            if isinstance(command, _Add):
+                if self._pending_reset is not None:
+                    self._pending_reset.held_adds.append(command)
+                else:
+                    self._apply_add(command)
+            elif isinstance(command, _Abort):
+                self._apply_abort(command.request_ids)
+            elif isinstance(command, _Reset):
+                self._apply_reset(command)
+            elif isinstance(command, _Shutdown):
+                return False
+        return True
+
+    def _apply_add(self, command: _Add) -> None:
+        added: list[str] = []
+        try:
+            for request in command.requests:
+                arrival_time = request.arrival_time or time.time()
+                self.engine.add_request(request.request_id, request.prompt_token_ids,
+                                        request.sampling_params, cache_salt=request.cache_salt,
+                                        arrival_time=arrival_time)
+                added.append(request.request_id)
+                self._request_id_to_tracked[request.request_id] = _Tracked(
+                    command.stream, command.loop, request.prompt_token_ids, arrival_time)
+        except (ValueError, TypeError) as exc:
+            if added:
+                self.engine.abort_request(added)
+                for request_id in added:
+                    del self._request_id_to_tracked[request_id]
+            _resolve(command.loop, command.done, exception=ValueError(str(exc)))
+            return
+        _resolve(command.loop, command.done, result=None)
+
+    def _apply_abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if rid in self._request_id_to_tracked]
+        if not live:
+            return
+        self.engine.abort_request(live)
+        now = time.time()
+        for request_id in live:
+            tracked = self._request_id_to_tracked.pop(request_id)
+            aborted = RequestOutput(
+                request_id=request_id, prompt_token_ids=tracked.prompt_token_ids,
+                finished=True, finish_reason="abort",
+                metrics=RequestMetrics(arrival_time=tracked.arrival_time, finished_time=now))
+            _call(tracked.loop, tracked.stream._put, [aborted])
+
+    def _apply_reset(self, command: _Reset) -> None:
+        if command.abort_running:
+            self._apply_abort(list(self._request_id_to_tracked))
+        if command.wait and self.engine.has_unfinished_requests():
+            if self._pending_reset is None:
+                self._pending_reset = _PendingReset([command])
+            else:  # one reset serves everyone already waiting
+                self._pending_reset.waiters.append(command)
+            return
+        success = bool(self.engine.reset_prefix_cache())
+        _resolve(command.loop, command.done, result=success)
+
+    def _maybe_finish_pending_reset(self) -> None:
+        pending = self._pending_reset
+        if pending is None or self.engine.has_unfinished_requests():
+            return
+        self._pending_reset = None
+        success = bool(self.engine.reset_prefix_cache())
+        for waiter in pending.waiters:
+            _resolve(waiter.loop, waiter.done, result=success)
+        for add in pending.held_adds:
+            self._apply_add(add)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One call_soon_threadsafe per stream per step, not per output: fewer wake-ups.
+        stream_to_batch: dict[int, tuple[_Tracked, list[RequestOutput]]] = {}
+        for output in outputs:
+            tracked = self._request_id_to_tracked.get(output.request_id)
+            if tracked is None:  # aborted here already; its stream has its final output
+                continue
+            if output.finished:
+                del self._request_id_to_tracked[output.request_id]
+            key = id(tracked.stream)
+            if key not in stream_to_batch:
+                stream_to_batch[key] = (tracked, [])
+            stream_to_batch[key][1].append(output)
+        for tracked, batch in stream_to_batch.values():
+            _call(tracked.loop, tracked.stream._put, batch)
+
+    def _publish_events(self) -> None:
+        if self.event_publisher is None:
+            return
+        events = self.engine.take_kv_events()
+        if events:
+            self.event_publisher.publish(events)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for tracked in self._request_id_to_tracked.values():
+            _call(tracked.loop, tracked.stream._put, error)
+        self._request_id_to_tracked.clear()
+        pending, self._pending_reset = self._pending_reset, None
+        if pending is not None:
+            for waiter in pending.waiters:
+                _resolve(waiter.loop, waiter.done, exception=error)
+            for add in pending.held_adds:
+                _resolve(add.loop, add.done, exception=error)
+        self._drain_commands(error)
+
+    def _drain_commands(self, error: BaseException) -> None:
+        # Commands queued after the loop stopped would otherwise wait forever.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, (_Add, _Reset)):
+                _resolve(command.loop, command.done, exception=error)
+
+
+def _call(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
+    # A closed event loop raises RuntimeError: nobody is listening there any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, *,
+             result: Any = None, exception: BaseException | None = None) -> None:
+    def settle() -> None:
+        if future.done():  # the waiter was cancelled
+            return
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+
+    _call(loop, settle)

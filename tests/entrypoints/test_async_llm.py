@@ -1,0 +1,198 @@
+"""AsyncLLM's engine loop over a deterministic fake engine: batching, streams, aborts,
+resets, failures and event publishing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from prefixcache.engine.async_llm import AsyncLLM, EngineDeadError, NewRequest
+from prefixcache.engine.sampling_params import SamplingParams
+from tests.entrypoints.fake_engine import FakeEngine, RecordingPublisher
+
+TIMEOUT_S = 10
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+@pytest.fixture
+def llm():
+    engine = FakeEngine()
+    publisher = RecordingPublisher()
+    async_llm = AsyncLLM(engine, publisher)
+    yield async_llm
+    async_llm.shutdown()
+    assert publisher.closed
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+async def collect(llm: AsyncLLM, request_id: str, prompt: list[int], max_tokens: int):
+    return [o async for o in llm.generate(request_id, prompt, params(max_tokens))]
+
+
+def test_generate_yields_each_token_then_finishes(llm):
+    outputs = run(collect(llm, "a", [10], 3))
+    assert [o.new_token_ids for o in outputs] == [[11], [12], [13]]
+    assert [o.finished for o in outputs] == [False, False, True]
+    assert outputs[-1].finish_reason == "length"
+    assert not llm.engine.running
+
+
+def test_concurrent_requests_share_engine_steps(llm):
+    async def main():
+        return await asyncio.gather(*(collect(llm, f"r{i}", [i * 100], 4) for i in range(8)))
+
+    # Hold the first step until every request is queued, so they must be batched.
+    llm.engine.step_gate = threading.Event()
+
+    async def release_later():
+        await asyncio.sleep(0.2)
+        llm.engine.step_gate.set()
+
+    async def both():
+        results, _ = await asyncio.gather(main(), release_later())
+        return results
+
+    results = run(both())
+    for i, outputs in enumerate(results):
+        assert outputs[-1].token_ids == [i * 100 + k for k in range(1, 5)]
+    assert max(len(batch) for batch in llm.engine.step_batches) == 8
+
+
+def test_group_stream_ends_when_all_finished(llm):
+    async def main():
+        stream = await llm.add_requests([
+            NewRequest("g0", [1], params(1)), NewRequest("g1", [5], params(3))])
+        async with stream:
+            return [o async for o in stream]
+
+    outputs = run(main())
+    finished = [o.request_id for o in outputs if o.finished]
+    assert sorted(finished) == ["g0", "g1"]
+    assert len(outputs) == 4
+
+
+def test_leaving_a_stream_early_aborts_it(llm):
+    async def main():
+        stream = await llm.add_requests([NewRequest("long", [1], params(1000))])
+        async with stream:
+            async for output in stream:
+                if len(output.token_ids) == 2:
+                    break
+        await wait_until(lambda: not llm.engine.running)
+
+    run(main())
+    assert llm.engine.aborted == ["long"]
+
+
+async def wait_until(predicate, timeout_s: float = TIMEOUT_S) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def test_cancelling_the_consumer_aborts(llm):
+    async def main():
+        task = asyncio.create_task(collect(llm, "c", [1], 100_000))
+        await wait_until(lambda: "c" in llm.engine.running)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: not llm.engine.running)
+
+    run(main())
+    assert llm.engine.aborted == ["c"]
+
+
+def test_refused_request_raises_and_rolls_back_its_group(llm):
+    async def main():
+        with pytest.raises(ValueError, match="empty prompt"):
+            await llm.add_requests([NewRequest("ok", [1], params(50)),
+                                    NewRequest("bad", [], params(5))])
+        return llm.engine.running
+
+    assert run(main()) == {}
+    assert llm.engine.aborted == ["ok"]
+
+
+def test_reset_fails_while_running_and_succeeds_when_idle(llm):
+    async def main():
+        stream = await llm.add_requests([NewRequest("r", [1], params(100_000))])
+        await wait_until(lambda: llm.num_steps > 0)
+        refused = await llm.reset_prefix_cache()
+        await stream.aclose()  # commands apply in order: the abort lands before the reset
+        return refused, await llm.reset_prefix_cache()
+
+    refused, accepted = run(main())
+    assert (refused, accepted) == (False, True)
+    assert llm.engine.num_resets == 1
+
+
+def test_reset_abort_running_ends_streams_with_abort(llm):
+    async def main():
+        stream = await llm.add_requests([NewRequest("r", [1], params(100_000))])
+        success = await llm.reset_prefix_cache(abort_running=True)
+        async with stream:
+            outputs = [o async for o in stream]
+        return success, outputs
+
+    success, outputs = run(main())
+    assert success
+    assert outputs[-1].finish_reason == "abort"
+    assert llm.engine.aborted == ["r"] and not llm.engine.running
+
+
+def test_reset_wait_holds_new_requests_until_running_ones_finish(llm):
+    async def main():
+        llm.engine.step_gate = threading.Event()
+        first = await llm.add_requests([NewRequest("first", [1], params(3))])
+        reset = asyncio.create_task(llm.reset_prefix_cache(wait=True))
+        await asyncio.sleep(0.05)
+        later = asyncio.create_task(collect(llm, "later", [50], 2))
+        await asyncio.sleep(0.05)
+        llm.engine.step_gate.set()
+        async with first:
+            first_outputs = [o async for o in first]
+        return await reset, first_outputs, await later
+
+    success, first_outputs, later_outputs = run(main())
+    assert success and llm.engine.num_resets == 1
+    assert first_outputs[-1].finish_reason == "length"
+    assert later_outputs[-1].token_ids == [51, 52]
+    assert not any("later" in batch and "first" in batch for batch in llm.engine.step_batches)
+
+
+def test_engine_failure_fails_streams_and_later_calls(llm):
+    async def main():
+        llm.engine.fail_next_step = True
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "x", [1], 5)
+        await wait_until(lambda: not llm.is_healthy)
+        with pytest.raises(EngineDeadError):
+            await llm.add_requests([NewRequest("y", [1], params(1))])
+        with pytest.raises(EngineDeadError):
+            await llm.reset_prefix_cache()
+
+    run(main())
+
+
+def test_each_step_publishes_its_events(llm):
+    run(collect(llm, "e", [1], 3))
+    assert llm.event_publisher.batches == [["step1"], ["step2"], ["step3"]]
+
+
+def test_stats_snapshot_follows_the_engine(llm):
+    run(collect(llm, "s", [1], 4))
+
+    async def settled():
+        await wait_until(lambda: llm.get_stats().generation_tokens == 4)
+
+    run(settled())
+    assert llm.get_stats().num_running == 0
