@@ -15,6 +15,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
     "prefixcache.events.cmd",
+    "prefixcache.entrypoints.generate_cmd",
 ]
 
 

@@ -1,0 +1,113 @@
+"""``prefixcache generate``: run one prompt through the engine and print the text.
+
+The text is streamed to stdout as it is generated; a one-line summary (tokens, cached
+tokens, time to first token) goes to stderr so that stdout stays just the text. Bad
+options or a model that cannot be loaded give a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
+_DESCRIPTION = """\
+Generate text for one prompt and stream it to stdout.
+
+A summary line (prompt tokens, cached tokens, generated tokens, time to first token)
+is printed to stderr. The default model is SmolLM2-135M-Instruct.
+
+examples:
+  prefixcache generate "The capital of France is"
+  prefixcache generate --chat "Write a haiku about caches." --temperature 0.7 --seed 1
+  prefixcache generate --model ./my-llama-folder --max-tokens 64 "Once upon a time"
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message in the model's chat template")
+    parser.add_argument("--system", default=None,
+                        help="with --chat: a system message to put first")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a .gguf file or a Hugging Face model folder "
+                             "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                        help="generate at most N tokens (default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 for greedy decoding (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="stop when TEXT is generated (repeatable); not printed")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV cache dtype (default: float32)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="print the text once finished instead of as it is generated")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Heavy imports here, so `prefixcache --help` does not load torch.
+    from prefixcache.engine.llm_engine import LLMEngine
+    from prefixcache.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+        engine = LLMEngine.from_options(args.model, dtype=args.dtype, max_num_seqs=1)
+        tokenizer = engine.tokenizer
+        if args.chat:
+            messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+            messages.append({"role": "user", "content": args.prompt})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt_token_ids = tokenizer.encode(args.prompt)
+        max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) fills the model's "
+                             f"context of {engine.max_model_len} tokens")
+        params.max_tokens = max_tokens
+        engine.add_request("generate-0", prompt_token_ids, params)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"prefixcache generate: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if not args.no_stream and output.new_text:
+                sys.stdout.write(output.new_text)
+                sys.stdout.flush()
+            if output.finished:
+                final = output
+    if args.no_stream:
+        sys.stdout.write(final.text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    ttft = final.metrics.time_to_first_token
+    print(
+        f"[{len(final.prompt_token_ids)} prompt tokens, {final.num_cached_tokens} cached, "
+        f"{len(final.token_ids)} generated, finish_reason={final.finish_reason}, "
+        f"ttft={'n/a' if ttft is None else f'{ttft:.3f}s'}]",
+        file=sys.stderr,
+    )
+    if final.finish_reason == "error":
+        print(f"prefixcache generate: error: {final.error}", file=sys.stderr)
+        return 1
+    return 0
