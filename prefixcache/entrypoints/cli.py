@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
     "prefixcache.events.cmd",
     "prefixcache.entrypoints.generate_cmd",
+    "prefixcache.entrypoints.openai.serve_cmd",
 ]
 
 

@@ -1,0 +1,199 @@
+"""``prefixcache serve``: the OpenAI-compatible server on uvicorn.
+
+Flags use vLLM's spelling where vLLM has the option. Importing this module is cheap (no
+torch, no FastAPI); ``run`` pays for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+logger = logging.getLogger("prefixcache.serve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # prefixcache.core.hashing
+DTYPES = ("float32", "bfloat16")
+
+DESCRIPTION = """\
+Serve a model over an OpenAI-compatible HTTP API with automatic prefix caching.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, n, max_tokens,
+temperature, top_p, seed, stop, cache_salt), GET /v1/models, GET /health, GET /metrics
+(Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true].
+
+With --api-key-file, every request needs 'Authorization: Bearer <key>' and each key's
+tenant gets its own prefix-cache partition, whatever cache_salt its requests carry.
+"""
+
+EPILOG = """\
+examples:
+  prefixcache serve                                   # the default SmolLM2-135M-Instruct
+  prefixcache serve ./my-hf-model --port 8080 --served-model-name mine
+  prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
+"""
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes (argparse type)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    number, unit = match.groups()
+    value = int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535: {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face model folder or .gguf file "
+                             f"(default: {DEFAULT_MODEL_NAME})")
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    net.add_argument("--port", type=_port, default=8000,
+                     help="port to bind; 0 picks a free one (default: %(default)s)")
+    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="model name(s) clients use; the first is reported "
+                          "(default: the model argument)")
+    net.add_argument("--api-key", default=None,
+                     help="require this key (Authorization: Bearer KEY); no tenants")
+    net.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="lines of 'key tenant': require a listed key and isolate each "
+                          "tenant's prefix cache")
+    net.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 1024 * 1024,
+                     metavar="SIZE", help="larger bodies get 413 (default: 16MiB)")
+    net.add_argument("--log-level", default="info",
+                     choices=("debug", "info", "warning", "error"))
+    net.add_argument("--uvicorn-log-level", default="warning",
+                     choices=("debug", "info", "warning", "error"),
+                     help="uvicorn's own logs, access log included at info")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--dtype", default="float32", choices=DTYPES)
+    eng.add_argument("--block-size", type=_positive_int, default=16,
+                     help="tokens per KV block (default: %(default)s)")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=True, help="reuse cached KV blocks across requests")
+    eng.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
+    eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                     type=_positive_int, default=None,
+                     help="KV pool size in blocks (overrides --kv-cache-memory)")
+    eng.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
+                     type=parse_bytes, default=None, metavar="SIZE",
+                     help="memory for the KV pool, e.g. 2GiB (default: the engine's)")
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                     default=True)
+    eng.add_argument("--seed", type=int, default=None,
+                     help="seed for requests that bring no seed of their own")
+    events = parser.add_argument_group("KV cache events (vLLM-compatible ZMQ)")
+    events.add_argument("--kv-events-endpoint", default=None, metavar="E",
+                        help="publish KV events on this PUB endpoint, "
+                             "e.g. tcp://127.0.0.1:5557")
+    events.add_argument("--kv-events-replay-endpoint", default=None, metavar="E",
+                        help="answer replay requests on this ROUTER endpoint")
+    events.add_argument("--kv-events-topic", default="", help="topic frame of each message")
+    parser.set_defaults(func=run)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The ``LLMEngine.from_options`` keywords the flags set (unset ones left out, so the
+    engine's defaults apply)."""
+    options = {
+        "model": args.model,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "dtype": args.dtype,
+        "hash_algo": args.prefix_caching_hash_algo,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "seed": args.seed,
+    }
+    for flag, option in (("kv_cache_memory", "kv_cache_memory_bytes"),
+                         ("max_num_seqs", "max_num_seqs"),
+                         ("max_num_batched_tokens", "max_num_batched_tokens")):
+        value = getattr(args, flag)
+        if value is not None:
+            options[option] = value
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prefixcache.entrypoints.openai.tenancy import Authenticator, load_api_key_file
+
+    try:
+        key_to_tenant = None if args.api_key_file is None else load_api_key_file(
+            args.api_key_file)
+        authenticator = Authenticator(key_to_tenant, args.api_key)
+    except (OSError, ValueError) as exc:
+        print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 2
+
+    from prefixcache.engine.async_llm import AsyncLLM
+
+    try:
+        llm = AsyncLLM.from_options(
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            kv_events_topic=args.kv_events_topic, **engine_options(args))
+    except (OSError, ValueError) as exc:
+        print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, llm, authenticator)
+    finally:
+        llm.shutdown()
+
+
+def _serve(args: argparse.Namespace, llm, authenticator) -> int:
+    import uvicorn
+
+    from prefixcache.entrypoints.openai.api_server import ReadyLoggingServer, build_app
+    from prefixcache.entrypoints.openai.serving import ModelInfo
+
+    engine = llm.engine
+    names = tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
+    model_info = ModelInfo(served_model_names=names, root=str(args.model or DEFAULT_MODEL_NAME),
+                           max_model_len=engine.max_model_len,
+                           num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
+    app = build_app(llm, engine.tokenizer, model_info, authenticator,
+                    max_body_bytes=args.max_request_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                            access_log=args.uvicorn_log_level in ("debug", "info"))
+    server = ReadyLoggingServer(config, model_info, llm)
+    server.run()
+    return 0 if server.started else 1
