@@ -7,7 +7,8 @@ after writing makes a prefill chunk, a decode token and a prefix-cache hit the s
 only how many keys were there before differs.
 
 Grouped-query attention never copies keys per query head: the `num_queries_per_kv` query
-heads sharing a KV head are laid out as extra query rows of that KV head.
+heads sharing a KV head form a group attending to that head's keys (an expanded view, or
+extra query rows of it for decodes).
 """
 
 from __future__ import annotations
@@ -53,33 +54,30 @@ class PagedAttention(nn.Module):
         for chunk in metadata.chunks:
             start, end = chunk.token_start, chunk.token_end
             num_queries = end - start
-            # [q, kv_heads * group, d] -> [kv_heads, group * q, d]: row g * q + i is query
-            # token i of head kv * group + g.
-            chunk_query = (
-                query[start:end]
-                .view(num_queries, kv_heads, group, head_dim)
-                .permute(1, 2, 0, 3)
-                .reshape(kv_heads, group * num_queries, head_dim)
-            )
+            # [q, kv_heads * group, d] -> [kv_heads, group, q, d]: query head kv * group + g
+            # is row (kv, g), so each KV head is a batch entry shared by its group.
+            chunk_query = query[start:end].view(num_queries, kv_heads, group, head_dim)
+            chunk_query = chunk_query.permute(1, 2, 0, 3)
             if chunk.key_slots is None:
                 chunk_key, chunk_value = key[start:end], value[start:end]  # [q, kv_heads, d]
-                mask = _causal_mask(num_queries, query.device)
             else:
                 chunk_key = key_slots_view[chunk.key_slots]  # [seq_len, kv_heads, d]
                 chunk_value = value_slots_view[chunk.key_slots]
-                mask = chunk.causal_mask
-            # [group * q, seq_len]: each query head group sees the same causal pattern.
-            mask = mask.repeat(group, 1)
+            seq_len = chunk_key.shape[0]
+            # [seq_len, kv_heads, d] -> [kv_heads, group, seq_len, d], a view (no copy).
+            chunk_key = chunk_key.to(query.dtype).transpose(0, 1)[:, None]
+            chunk_key = chunk_key.expand(kv_heads, group, seq_len, head_dim)
+            chunk_value = chunk_value.to(query.dtype).transpose(0, 1)[:, None]
+            chunk_value = chunk_value.expand(kv_heads, group, seq_len, head_dim)
+            # 4-D inputs: PyTorch's CPU kernels take a slow generic path for 3-D ones.
             attended = F.scaled_dot_product_attention(
                 chunk_query,
-                chunk_key.transpose(0, 1).to(query.dtype),  # [kv_heads, seq_len, d]
-                chunk_value.transpose(0, 1).to(query.dtype),
-                attn_mask=mask,
-            )  # [kv_heads, group * q, d]
-            # -> [q, kv_heads, group, d]
-            output[start:end] = attended.view(kv_heads, group, num_queries, head_dim).permute(
-                2, 0, 1, 3
-            )
+                chunk_key,
+                chunk_value,
+                attn_mask=chunk.causal_mask,
+                is_causal=chunk.causal_mask is None,
+            )  # [kv_heads, group, q, d]
+            output[start:end] = attended.permute(2, 0, 1, 3)  # -> [q, kv_heads, group, d]
 
         if metadata.decode_token_indices is not None:
             indices = metadata.decode_token_indices
@@ -97,8 +95,3 @@ class PagedAttention(nn.Module):
             )  # [D, kv_heads, group, d]
             output.index_copy_(0, indices, attended)
         return output.view(num_tokens, self.num_heads * head_dim)
-
-
-def _causal_mask(num_queries: int, device: torch.device) -> torch.Tensor:
-    """[q, q] bool, True on and below the diagonal."""
-    return torch.ones(num_queries, num_queries, dtype=torch.bool, device=device).tril_()

@@ -183,9 +183,10 @@ def load_hf_state_dict(
 ) -> None:
     """Copy weights named as in a Hugging Face checkpoint into `model`, fusing as needed.
 
-    Raises ValueError naming any parameter left without a weight or any weight of the wrong
-    shape; weights the model has no use for (e.g. a tied `lm_head.weight`, rotary buffers)
-    are ignored.
+    Raises ValueError naming any parameter left without a weight, any weight of the wrong
+    shape, and any weight the model has no place for (a bias the config did not announce would
+    otherwise be dropped silently). Only a tied model's `lm_head.weight` and saved rotary
+    frequencies are skipped: both are derived, not learned, here.
     """
     config = model.config
     params = dict(model.named_parameters())
@@ -201,6 +202,7 @@ def load_hf_state_dict(
         "up_proj": ("gate_up_proj", config.intermediate_size),
     }
     partial_rows: dict[str, int] = {}
+    unexpected: list[str] = []
     with torch.no_grad():
         for name, tensor in named_tensors:
             parts = name.split(".")
@@ -209,6 +211,11 @@ def load_hf_state_dict(
                 fused, row_offset = fused_rows[parts[-2]]
                 target = ".".join([*parts[:-2], fused, parts[-1]])
             if target not in params:
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and config.tie_word_embeddings
+                ):
+                    continue
+                unexpected.append(name)
                 continue
             param = params[target]
             if row_offset is None:
@@ -228,6 +235,9 @@ def load_hf_state_dict(
             partial_rows[target] = partial_rows.get(target, 0) + rows
             if partial_rows[target] == param.shape[0]:
                 loaded.add(target)
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected weight(s): {shown}")
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
