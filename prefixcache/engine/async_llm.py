@@ -9,8 +9,8 @@ in one engine and are batched by its scheduler.
 Loop iteration::
 
     take commands (block only when the engine is idle) -> apply them in arrival order
-    -> engine.step() if there is work -> deliver outputs, grouped per stream
-    -> publish the step's KV events -> refresh the stats snapshot
+    -> engine.step() if there is work -> publish the step's KV events
+    -> refresh the stats snapshot -> deliver outputs, grouped per stream
 
 Contracts:
 
@@ -317,13 +317,15 @@ class AsyncLLM:
                 if not self._take_and_apply_commands():
                     self._fail_all(EngineDeadError("the server is shutting down"))
                     return
+                outputs = []
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self.num_steps += 1
-                    self._deliver(outputs)
                 self._maybe_finish_pending_reset()
                 self._publish_events()
+                # Stats before delivery: a client that has its answer sees it counted.
                 self._stats = copy.copy(self.engine.get_stats())
+                self._deliver(outputs)
         except BaseException as exc:  # the engine is in an unknown state: stop serving
             logger.exception("engine loop failed; the server stops serving requests")
             self._dead_reason = f"engine failed: {type(exc).__name__}: {exc}"

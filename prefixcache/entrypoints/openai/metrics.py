@@ -15,6 +15,7 @@ prefixcache:prompt_tokens_total                 counter    prompt tokens admitte
 prefixcache:generation_tokens_total             counter    tokens generated
 prefixcache:num_preemptions_total               counter    requests preempted
 prefixcache:num_evictions_total                 counter    cached blocks evicted
+prefixcache:engine_steps_total                  counter    engine steps (one batch each)
 prefixcache:kv_events_published_total           counter    KV event batches sent
 prefixcache:kv_events_dropped_total             counter    KV event batches dropped
 prefixcache:request_success_total{finished_reason}  counter  engine requests finished
@@ -66,6 +67,7 @@ class _EngineCollector(Collector):
             ("generation_tokens", "Generated tokens."),
             ("num_preemptions", "Requests preempted (blocks freed, to be recomputed)."),
             ("num_evictions", "Cached blocks evicted to make room."),
+            ("engine_steps", "Engine steps run; each step is one batch of requests."),
             ("kv_events_published", "KV event batches sent to subscribers."),
             ("kv_events_dropped", "KV event batches dropped because the queue was full."),
         ):
