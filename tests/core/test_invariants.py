@@ -9,6 +9,8 @@ is checked against the tokens actually stored, not just against a hash.
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -31,7 +33,7 @@ PREFIXES = [
     list(range(100, 109)),
     [7],
 ]
-SETTINGS = settings(max_examples=35, stateful_step_count=35, deadline=None, database=None,
+SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -189,7 +191,7 @@ class ManagerMachine(RuleBasedStateMachine):
             backward.append(node)
         assert node is queue.fake_free_list_head
         assert backward[:-1] == list(reversed(free))
-        assert self.mgr.usage == (NUM_BLOCKS - len(free)) / NUM_BLOCKS
+        assert math.isclose(self.mgr.usage, (NUM_BLOCKS - len(free)) / NUM_BLOCKS)
 
     @invariant()
     def ref_counts_equal_table_membership(self):
