@@ -161,6 +161,19 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, content: Any) -> Any:
+        # Said before type validation, so the client reads "only text" rather than a
+        # union error about strings.
+        if isinstance(content, list):
+            for part in content:
+                part_type = part.get("type") if isinstance(part, dict) else None
+                if part_type != "text":
+                    raise ValueError(f"only text content parts are supported, got "
+                                     f"{part_type!r}")
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""
