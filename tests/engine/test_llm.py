@@ -1,0 +1,125 @@
+"""The offline ``LLM`` API and the ``prefixcache generate`` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from prefixcache import LLM, RequestOutput, SamplingParams
+from prefixcache.entrypoints.cli import main
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, block_size=4, num_kv_blocks=128)
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["hello world", "the quick brown fox", [5, 6, 7, 8], "blocks and slots"]
+    batch = llm.generate(prompts, GREEDY)
+    assert [o.request_id for o in batch] == sorted({o.request_id for o in batch}, key=int)
+    for prompt, output in zip(prompts, batch, strict=True):
+        (alone,) = llm.generate(prompt, GREEDY)
+        assert isinstance(output, RequestOutput) and output.finished
+        assert output.token_ids == alone.token_ids and len(output.token_ids) == 6
+        expected_prompt = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
+        assert output.prompt_token_ids == expected_prompt
+        assert output.outputs[0].token_ids == output.token_ids
+
+
+def test_repeat_is_served_from_the_cache(llm):
+    prompt = "prefix caching reuses the key and value blocks of prompts that share a prefix."
+    llm.reset_prefix_cache()
+    (first,) = llm.generate(prompt, GREEDY)
+    (second,) = llm.generate(prompt, GREEDY)
+    num_prompt_tokens = len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (num_prompt_tokens - 1) // 4 * 4
+    assert second.token_ids == first.token_ids
+
+
+def test_n_samples_per_prompt(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
+    outputs = llm.generate(["hello", "world"], params)
+    assert len(outputs) == 2
+    for output in outputs:
+        assert len(output.outputs) == 3
+        assert output.token_ids == output.outputs[0].token_ids
+        assert len({tuple(sample.token_ids) for sample in output.outputs}) > 1
+    again = llm.generate(["hello", "world"], params)
+    assert [[s.token_ids for s in o.outputs] for o in again] == \
+        [[s.token_ids for s in o.outputs] for o in outputs]
+
+
+def test_per_prompt_params_and_errors(llm):
+    outputs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=2),
+                                        SamplingParams(temperature=0, max_tokens=4)])
+    assert [len(o.token_ids) for o in outputs] == [2, 4]
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(["a", "b"], [GREEDY])
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(["a", "b"], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["a", []], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_chat_renders_the_template(llm):
+    conversation = [{"role": "user", "content": "hello"}]
+    (output,) = llm.chat(conversation, GREEDY)
+    assert output.prompt == "<|user|>hello<|end|><|assistant|>"
+    assert output.prompt_token_ids == llm.tokenizer.encode(output.prompt,
+                                                           add_special_tokens=False)
+    batch = llm.chat([conversation, [{"role": "user", "content": "world"}]], GREEDY)
+    assert len(batch) == 2 and batch[0].token_ids == output.token_ids
+
+
+def test_default_model_answers_a_chat_prompt(smollm2):
+    llm = LLM(smollm2, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         params)
+    assert "Paris" in output.text
+    assert output.finish_reason == "stop"  # it ends its answer with <|im_end|>
+    (repeat,) = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}],
+                         params)
+    assert "Berlin" in repeat.text
+    # The system prompt and chat scaffolding before the question are shared.
+    assert repeat.num_cached_tokens >= 16
+
+
+def test_generate_command_help_and_errors(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    assert "--max-tokens" in capsys.readouterr().out
+    assert main(["generate", "hi", "--model", str(tiny_model_dir / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(tiny_model_dir), "--top-p", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p" in err and "Traceback" not in err
+
+
+def test_generate_command_streams_text(tiny_model_dir, tiny_model, capsys):
+    code = main(["generate", "hello", "--model", str(tiny_model_dir), "--max-tokens", "5",
+                 "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert code == 0
+    (expected,) = LLM(tiny_model).generate(
+        "hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert captured.out == expected.text + "\n"
+    assert "5 generated" in captured.err and "finish_reason=length" in captured.err
+
+
+def test_generate_command_bad_model_has_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixcache", "generate", "hi", "--model",
+         str(tmp_path / "nope.gguf")], capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "nope.gguf" in result.stderr and "Traceback" not in result.stderr
