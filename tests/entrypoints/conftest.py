@@ -85,9 +85,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-# Block size 4 so short test prompts span several blocks; 256 blocks hold 32 concurrent
+# Block size 4 so short test prompts span several blocks; 512 blocks hold 32 concurrent
 # requests of ~40 tokens with room to spare, so the load test never preempts.
-SERVER_ARGS = ("--block-size", "4", "--num-kv-blocks", "256", "--max-num-seqs", "64")
+SERVER_ARGS = ("--block-size", "4", "--num-kv-blocks", "512", "--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="session")
