@@ -306,7 +306,10 @@ class ReadyLoggingServer(uvicorn.Server):
         info = self._model_info
         publisher = self._llm.event_publisher
         endpoint = getattr(publisher, "endpoint", None)
+        replay_endpoint = getattr(publisher, "replay_endpoint", None)
         events_note = f", KV events on {endpoint}" if endpoint else ""
+        if replay_endpoint:
+            events_note += f", replay on {replay_endpoint}"
         ready_logger.info("ready: serving %s at http://%s:%d (%d KV blocks of %d tokens%s)",
                           info.served_model_names[0], shown_host, port, info.num_kv_blocks,
                           info.block_size, events_note)
