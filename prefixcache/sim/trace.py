@@ -1,0 +1,168 @@
+"""Request traces: the two line formats a replay reads, parsed into :class:`TraceRequest`.
+
+Formats, one JSON value per line (blank lines are ignored; the format is decided per line):
+
+Mooncake
+    ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` — each
+    hash id names one 512-token block of the prompt (:data:`MOONCAKE_BLOCK_SIZE`); equal ids
+    mean equal content. There must be ``ceil(input_length / 512)`` ids: the last one covers
+    the trailing partial block, if any. ``timestamp`` and ``output_length`` default to 0.
+Token ids
+    A JSON list of token ids, or ``{"prompt_token_ids": [...]}`` with optional
+    ``timestamp`` (ms) and ``output_length`` — a user's own tokenized log.
+
+A line that is not valid JSON or does not match a format raises :class:`TraceFormatError`
+naming the file and line, unless ``skip_bad_lines`` is set: then the line is skipped and
+counted in :attr:`Trace.num_bad_lines`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MOONCAKE_BLOCK_SIZE = 512
+
+
+class TraceFormatError(ValueError):
+    """A trace cannot be read: the message names the file and, if any, the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace.
+
+    Exactly one of ``hash_ids`` (Mooncake: ids of 512-token blocks) and ``token_ids``
+    (token-id format) is set. ``timestamp_ms`` is None when the line had no timestamp.
+    """
+
+    line_no: int
+    input_length: int
+    output_length: int
+    timestamp_ms: float | None
+    hash_ids: tuple[int, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
+class Trace:
+    """The parsed requests of one file, in file order, and how many lines were skipped."""
+
+    path: str
+    requests: list[TraceRequest] = field(default_factory=list)
+    num_bad_lines: int = 0
+    first_bad_line: str | None = None
+
+    @property
+    def has_timestamps(self) -> bool:
+        return all(request.timestamp_ms is not None for request in self.requests)
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # bool is an int subclass but never a valid length or id
+
+
+def _non_negative_int(obj: dict, key: str, default: int | None = None) -> int:
+    if key not in obj:
+        if default is None:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    value = obj[key]
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _timestamp(obj: dict) -> float | None:
+    value = obj.get("timestamp")
+    if value is None:
+        return None
+    if type(value) not in (int, float) or value < 0:
+        raise ValueError(f"'timestamp' must be a non-negative number of ms, got {value!r}")
+    return float(value)
+
+
+def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
+    if not isinstance(values, list) or not values:
+        raise ValueError("prompt_token_ids must be a non-empty list of integers")
+    if not all(_is_int(v) and v >= 0 for v in values):
+        raise ValueError("prompt_token_ids must hold only non-negative integers")
+    output_length = 0 if obj is None else _non_negative_int(obj, "output_length", 0)
+    timestamp = None if obj is None else _timestamp(obj)
+    return TraceRequest(line_no, len(values), output_length, timestamp,
+                        token_ids=tuple(values))
+
+
+def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:
+    input_length = _non_negative_int(obj, "input_length")
+    if input_length < 1:
+        raise ValueError("'input_length' must be at least 1")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
+        raise ValueError("'hash_ids' must be a list of non-negative integers")
+    expected = -(-input_length // MOONCAKE_BLOCK_SIZE)
+    if len(hash_ids) != expected:
+        raise ValueError(
+            f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
+            f"(one per {MOONCAKE_BLOCK_SIZE}-token block, the last one possibly partial)"
+        )
+    return TraceRequest(line_no, input_length, _non_negative_int(obj, "output_length", 0),
+                        _timestamp(obj), hash_ids=tuple(hash_ids))
+
+
+def parse_line(text: str, line_no: int) -> TraceRequest:
+    """One non-blank line as a request. Raises ValueError saying what is wrong with it."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(obj, list):
+        return _parse_token_ids(obj, line_no, None)
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object or a list of token ids")
+    if "hash_ids" in obj:
+        return _parse_mooncake(obj, line_no)
+    if "prompt_token_ids" in obj:
+        return _parse_token_ids(obj["prompt_token_ids"], line_no, obj)
+    raise ValueError("expected 'hash_ids' (Mooncake format) or 'prompt_token_ids'")
+
+
+def load_trace(path: str | Path, skip_bad_lines: bool = False,
+               max_requests: int | None = None) -> Trace:
+    """Parse a trace file; at most ``max_requests`` requests (all when None).
+
+    Raises :class:`TraceFormatError` for a missing or unreadable file, a bad line (unless
+    ``skip_bad_lines``), or a file with no requests.
+    """
+    path = Path(path)
+    trace = Trace(str(path))
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path}: no such trace file") from None
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot open trace: {exc.strerror}") from None
+    with handle:
+        try:
+            for line_no, text in enumerate(handle, start=1):
+                if max_requests is not None and len(trace.requests) >= max_requests:
+                    break
+                if not text.strip():
+                    continue
+                try:
+                    trace.requests.append(parse_line(text, line_no))
+                except (ValueError, KeyError, TypeError) as exc:
+                    reason = f"{path}:{line_no}: {exc}"
+                    if not skip_bad_lines:
+                        raise TraceFormatError(
+                            f"{reason} (use --skip-bad-lines to skip such lines)"
+                        ) from None
+                    trace.num_bad_lines += 1
+                    if trace.first_bad_line is None:
+                        trace.first_bad_line = reason
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+    if not trace.requests:
+        raise TraceFormatError(f"{path}: no requests in the trace")
+    return trace
