@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = [
     "prefixcache.events.cmd",
     "prefixcache.entrypoints.generate_cmd",
     "prefixcache.entrypoints.openai.serve_cmd",
+    "prefixcache.sim.replay_cmd",
 ]
 
 

@@ -1,0 +1,208 @@
+"""``prefixcache replay``: replay a request trace through the KV cache manager."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+DEFAULT_BLOCK_SIZE = 16
+
+DESCRIPTION = """\
+Replay a request trace through prefixcache's real KV cache manager and report the prefix
+cache hit rate: how big must the KV cache be for this traffic, and which eviction policy
+wins?
+
+Trace formats (JSON lines, chosen per line):
+  Mooncake   {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}
+             each hash id is a 512-token block, expanded into deterministic pseudo-random
+             tokens; a smaller --block-size (a divisor of 512) subdivides it. The trailing
+             input_length % block-size tokens are unique to the request.
+  token ids  [1, 2, 3, ...]  or  {"prompt_token_ids": [...], "timestamp": ms,
+             "output_length": m}   (timestamp and output_length optional)
+
+Each request is looked up, allocated its prompt plus output_length decode slots, held
+while live, then freed. Modes:
+  --concurrency C   requests in file order, at most C live (default 1); if one does not
+                    fit beside the live ones, the oldest finish early (it is "delayed").
+  --timeline        requests arrive at their timestamps and stay live for
+                    output_length / --decode-tokens-per-s seconds; one that does not fit
+                    waits in a FIFO queue ("delayed").
+A request whose block table exceeds the whole cache is rejected ("not admitted") and
+counts as all misses: hit rates are over the prompt tokens of every request.
+
+--sweep adds two reference curves: the infinite cache (never evicts; the ceiling) and
+Belady's offline optimum (same manager and admission, evicting the free block whose hash
+is next needed furthest in the future, deepest first on ties).
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _capacity_list(text: str) -> list[int]:
+    capacities = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not capacities:
+        raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,2000,4000")
+    return sorted(set(capacities))
+
+
+def _policy_list(text: str) -> list[str]:
+    from prefixcache.sim.replay import policy_names
+
+    policies = [part.strip() for part in text.split(",") if part.strip()]
+    known = policy_names()
+    for policy in policies:
+        if policy not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {policy!r}; choose from {', '.join(known)}")
+    if not policies:
+        raise argparse.ArgumentTypeError("give at least one policy")
+    return list(dict.fromkeys(policies))
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="trace file (JSON lines, Mooncake or token-id format)")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--num-blocks", type=_positive_int, metavar="N",
+                      help="replay once with a cache of N blocks")
+    size.add_argument("--sweep", type=_capacity_list, metavar="N1,N2,...",
+                      help="replay at each capacity (blocks) and print the hit-rate curve, "
+                           "with the infinite-cache and Belady references")
+    parser.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                        metavar="B", help="tokens per block (default %(default)s; must divide "
+                                          "512 for Mooncake traces)")
+    parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
+                        help="eviction policies: lru (default), unhashed-first, 2q; belady "
+                             "(offline) is also accepted")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=_positive_int, default=1, metavar="C",
+                      help="sequential mode: live requests at a time (default 1)")
+    mode.add_argument("--timeline", action="store_true",
+                      help="admit requests at their timestamps, hold them while decoding")
+    parser.add_argument("--decode-tokens-per-s", type=_positive_float, default=None,
+                        metavar="R", help="timeline mode: decode speed per request "
+                                          "(default 50 tokens/s)")
+    parser.add_argument("--no-decode-slots", action="store_true",
+                        help="allocate prompt slots only, not output_length decode slots")
+    parser.add_argument("--no-belady", action="store_true",
+                        help="--sweep without the (slower) Belady reference")
+    parser.add_argument("--max-requests", type=_positive_int, metavar="N",
+                        help="replay only the first N requests")
+    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="with --sweep: draw the hit-rate curves to a PNG")
+    parser.add_argument("--kv-bytes-per-token", type=_positive_int,
+                        default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
+                        help="KV bytes per token, for GiB figures (default %(default)s: "
+                             "Llama-3-8B in fp16)")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip (and count) malformed trace lines instead of failing")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run, parser=parser)
+
+
+def _error(message: str) -> int:
+    print(f"prefixcache replay: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prefixcache.sim.expand import TraceExpander
+    from prefixcache.sim.prepared import prepare_trace
+    from prefixcache.sim.replay import BELADY, ReplayConfig, replay
+    from prefixcache.sim.report import format_replay, format_sweep, plot_sweep
+    from prefixcache.sim.sweep import sweep
+    from prefixcache.sim.trace import TraceFormatError, load_trace
+
+    if args.plot and not args.sweep:
+        return _error("--plot needs --sweep (a curve over several capacities)")
+    if args.decode_tokens_per_s is not None and not args.timeline:
+        return _error("--decode-tokens-per-s applies to --timeline only")
+    try:
+        trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
+                           max_requests=args.max_requests)
+    except TraceFormatError as exc:
+        return _error(str(exc))
+    if trace.num_bad_lines:
+        print(f"skipped {trace.num_bad_lines} malformed line(s); first: {trace.first_bad_line}",
+              file=sys.stderr)
+    if args.timeline and not trace.has_timestamps:
+        return _error("--timeline needs a 'timestamp' on every request of the trace")
+
+    show_progress = not args.quiet and sys.stderr.isatty()
+    num_requests = len(trace.requests)
+    try:
+        expander = TraceExpander(args.block_size)
+        with tqdm(total=num_requests, desc="hashing", unit="req",
+                  disable=not show_progress) as bar:
+            prepared = prepare_trace(trace, expander,
+                                     reserve_decode_slots=not args.no_decode_slots,
+                                     progress=bar.update)
+        common = {"concurrency": args.concurrency, "timeline": args.timeline}
+        if args.decode_tokens_per_s is not None:
+            common["decode_tokens_per_s"] = args.decode_tokens_per_s
+        if args.sweep:
+            policies = [p for p in args.policy if p != BELADY]
+            with_belady = not args.no_belady
+            num_runs = len(args.sweep) * (len(policies) + with_belady)
+            with tqdm(total=num_runs * num_requests, desc="replaying", unit="req",
+                      disable=not show_progress) as bar:
+                result = sweep(prepared, args.sweep, policies, with_belady=with_belady,
+                               decode_tokens_per_s=args.decode_tokens_per_s,
+                               concurrency=args.concurrency, timeline=args.timeline,
+                               progress=bar.update)
+            print(format_sweep(result, args.block_size, args.kv_bytes_per_token))
+            payload = result.to_dict()
+        else:
+            results = []
+            with tqdm(total=len(args.policy) * num_requests, desc="replaying", unit="req",
+                      disable=not show_progress) as bar:
+                for policy in args.policy:
+                    config = ReplayConfig(args.num_blocks, policy, **common)
+                    results.append(replay(prepared, config, bar.update))
+            print("\n\n".join(format_replay(r, args.kv_bytes_per_token) for r in results))
+            payload = {"runs": [r.to_dict() for r in results]}
+    except ValueError as exc:
+        return _error(str(exc))
+
+    payload = {"trace": trace.path, "num_requests": num_requests,
+               "num_bad_lines": trace.num_bad_lines, "block_size": args.block_size,
+               "kv_bytes_per_token": args.kv_bytes_per_token,
+               "mode": "timeline" if args.timeline else "sequential", **payload}
+    try:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(payload, handle, indent=1)
+        if args.plot:
+            mode = "timeline" if args.timeline else f"concurrency {args.concurrency}"
+            plot_sweep(result, args.plot, args.block_size, args.kv_bytes_per_token,
+                       title=f"{trace.path.rsplit('/', 1)[-1]}: {num_requests:,} requests, "
+                             f"block size {args.block_size}, {mode}")
+    except OSError as exc:
+        return _error(f"cannot write output: {exc}")
+    return 0

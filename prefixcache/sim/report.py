@@ -1,0 +1,106 @@
+"""Human-readable tables and the hit-rate-vs-capacity plot of replays and sweeps."""
+
+from __future__ import annotations
+
+from prefixcache.sim.replay import ReplayResult
+from prefixcache.sim.sweep import SweepResult
+
+GIB = 1 << 30
+
+
+def capacity_gib(num_blocks: int, block_size: int, kv_bytes_per_token: int) -> float:
+    return num_blocks * block_size * kv_bytes_per_token / GIB
+
+
+def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
+    """One replay's figures as an aligned two-column table."""
+    gib = capacity_gib(result.num_blocks, result.block_size, kv_bytes_per_token)
+    mode = result.mode if result.concurrency is None else \
+        f"{result.mode}, concurrency {result.concurrency}"
+    rows = [
+        ("policy", result.policy),
+        ("cache", f"{result.num_blocks:,} blocks x {result.block_size} tokens "
+                  f"({gib:.2f} GiB of KV)"),
+        ("mode", mode),
+        ("requests", f"{result.num_requests:,}"),
+        ("  not admitted (rejected)", f"{result.num_rejected_requests:,}"),
+        ("  delayed (waited for room)", f"{result.num_delayed_requests:,}"),
+        ("prompt tokens", f"{result.num_prompt_tokens:,}"),
+        ("hit tokens", f"{result.num_hit_tokens:,}"),
+        ("token hit rate", f"{100 * result.hit_rate:.2f} %"),
+        ("evictions", f"{result.num_evictions:,}"),
+        ("peak usage", f"{100 * result.peak_usage:.1f} %"),
+        ("mean usage", f"{100 * result.mean_usage:.1f} %"),
+    ]
+    if result.mean_wait_s is not None:
+        rows.append(("mean wait", f"{result.mean_wait_s:.3f} s"))
+    rows += [
+        ("replay time", f"{result.replay_seconds:.2f} s"),
+        ("replay throughput", f"{result.requests_per_s:,.0f} requests/s, "
+                              f"{result.blocks_per_s:,.0f} blocks/s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) -> str:
+    """Token hit rate (%) per capacity: one column per policy, then Belady and infinite."""
+    columns = [*result.policies, *(["belady"] if result.belady_hit_rates else []), "infinite"]
+    header = ["blocks", "GiB", *columns]
+    lines = []
+    for i, num_blocks in enumerate(result.capacities):
+        rates = [result.policy_to_hit_rates[p][i] for p in result.policies]
+        if result.belady_hit_rates:
+            rates.append(result.belady_hit_rates[i])
+        rates.append(result.infinite_hit_rate)
+        lines.append([f"{num_blocks:,}",
+                      f"{capacity_gib(num_blocks, block_size, kv_bytes_per_token):.2f}",
+                      *(f"{100 * r:.2f}" for r in rates)])
+    widths = [max(len(row[k]) for row in [header, *lines]) for k in range(len(header))]
+    text = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+            for row in [header, *lines]]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    gap = result.widest_gap()
+    if gap is not None and gap["best_policy"] is not None:
+        closed = gap["fraction_of_gap_closed"]
+        text.append(
+            f"widest LRU->Belady gap: {100 * gap['gap']:.2f} points at "
+            f"{gap['capacity_blocks']:,} blocks; best online policy {gap['best_policy']} "
+            f"closes {'n/a' if closed is None else f'{100 * closed:.1f} %'} of it")
+    for violation in result.ordering_violations:
+        text.append(f"ORDERING VIOLATION: {violation}")
+    return "\n".join(text)
+
+
+def plot_sweep(result: SweepResult, path: str, block_size: int, kv_bytes_per_token: int,
+               title: str) -> None:
+    """Write the hit-rate curves as a PNG: capacity in blocks below, in GiB of KV above."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    bytes_per_block = block_size * kv_bytes_per_token
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    x = result.capacities
+    for policy in result.policies:
+        ax.plot(x, [100 * r for r in result.policy_to_hit_rates[policy]], marker="o",
+                label=policy)
+    if result.belady_hit_rates:
+        ax.plot(x, [100 * r for r in result.belady_hit_rates], marker="s", linestyle="--",
+                color="black", label="Belady (offline optimal)")
+    ax.axhline(100 * result.infinite_hit_rate, color="gray", linestyle=":",
+               label="infinite cache")
+    ax.set_xlabel(f"KV cache capacity (blocks of {block_size} tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
+    top = ax.secondary_xaxis(
+        "top", functions=(lambda blocks: blocks * bytes_per_block / GIB,
+                          lambda gib: gib * GIB / bytes_per_block))
+    top.set_xlabel(f"KV cache capacity (GiB at {kv_bytes_per_token:,} bytes/token)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

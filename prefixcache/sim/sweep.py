@@ -1,0 +1,138 @@
+"""Hit rate against cache size: one replay per (capacity, policy), plus the two references.
+
+``infinite``
+    The hit rate with a cache that never evicts: a request hits the longest run of its
+    hit-able blocks whose hashes any earlier request has computed. It does not depend on
+    the capacity (nor on pinning), so it is the ceiling of every curve.
+``belady``
+    Offline-optimal eviction at each capacity, replayed through the same manager with the
+    same admission (see :mod:`prefixcache.sim.belady` for the exact definition).
+
+Every sweep checks ``infinite >= belady >= policy`` at each capacity and reports any
+violation in :attr:`SweepResult.ordering_violations` (the tests assert there are none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prefixcache.sim.prepared import PreparedTrace
+from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, replay
+
+# Hit rates are compared with this slack: they are ratios of integers computed the same way,
+# so only float rounding can separate equal values.
+_ORDER_TOLERANCE = 1e-12
+
+
+def infinite_cache_hit_tokens(prepared: PreparedTrace) -> int:
+    """Tokens hit when nothing is ever evicted, over the whole trace in file order."""
+    seen: set = set()
+    block_size = prepared.block_size
+    num_hit_tokens = 0
+    for hashes, max_hit_blocks in zip(prepared.block_hashes, prepared.max_hit_blocks,
+                                      strict=True):
+        limit = min(max_hit_blocks, len(hashes))
+        k = 0
+        # Chains are prefix-closed: a hash seen before implies its whole prefix was seen.
+        while k < limit and hashes[k] in seen:
+            k += 1
+        num_hit_tokens += k * block_size
+        seen.update(hashes)
+    return num_hit_tokens
+
+
+def infinite_cache_hit_rate(prepared: PreparedTrace) -> float:
+    num_prompt_tokens = prepared.num_prompt_tokens
+    return infinite_cache_hit_tokens(prepared) / num_prompt_tokens if num_prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class SweepResult:
+    """Curves over ``capacities`` (in blocks): ``policy_to_hit_rates[p][i]`` is policy ``p``
+    at ``capacities[i]``; ``belady_hit_rates`` likewise (empty when not computed);
+    ``runs`` holds every replay's full figures."""
+
+    capacities: list[int]
+    policies: list[str]
+    infinite_hit_rate: float
+    policy_to_hit_rates: dict[str, list[float]] = field(default_factory=dict)
+    belady_hit_rates: list[float] = field(default_factory=list)
+    runs: list[ReplayResult] = field(default_factory=list)
+    ordering_violations: list[str] = field(default_factory=list)
+
+    def widest_gap(self, policy: str = "lru") -> dict | None:
+        """Where Belady beats ``policy`` by most, and how much of that gap the best other
+        policy closes there. None without Belady figures."""
+        if not self.belady_hit_rates or policy not in self.policy_to_hit_rates:
+            return None
+        base = self.policy_to_hit_rates[policy]
+        gaps = [b - a for a, b in zip(base, self.belady_hit_rates, strict=True)]
+        i = max(range(len(gaps)), key=gaps.__getitem__)
+        others = {p: rates[i] for p, rates in self.policy_to_hit_rates.items() if p != policy}
+        best = max(others, key=others.__getitem__) if others else None
+        gap = gaps[i]
+        return {
+            "capacity_blocks": self.capacities[i],
+            "baseline_policy": policy,
+            "baseline_hit_rate": base[i],
+            "belady_hit_rate": self.belady_hit_rates[i],
+            "gap": gap,
+            "best_policy": best,
+            "best_hit_rate": others[best] if best else None,
+            "fraction_of_gap_closed": (others[best] - base[i]) / gap if best and gap > 0
+            else None,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "capacities_blocks": self.capacities,
+            "infinite_hit_rate": self.infinite_hit_rate,
+            "belady_hit_rates": self.belady_hit_rates,
+            "policy_hit_rates": self.policy_to_hit_rates,
+            "ordering_violations": self.ordering_violations,
+            "widest_gap": self.widest_gap(),
+            "runs": [run.to_dict() for run in self.runs],
+        }
+
+
+def sweep(prepared: PreparedTrace, capacities: Sequence[int], policies: Sequence[str],
+          with_belady: bool = True, concurrency: int = 1, timeline: bool = False,
+          decode_tokens_per_s: float | None = None,
+          progress: Callable[[int], None] | None = None) -> SweepResult:
+    """Replay ``prepared`` at every capacity under every policy (and Belady's).
+
+    ``progress(n)`` is forwarded to each replay, so a bar over
+    ``len(capacities) * (len(policies) + with_belady) * num_requests`` steps fills once.
+    """
+    policies = [p for p in policies if p != BELADY]
+    result = SweepResult(list(capacities), list(policies), infinite_cache_hit_rate(prepared))
+    for policy in policies:
+        result.policy_to_hit_rates[policy] = []
+    extra = {} if decode_tokens_per_s is None else {"decode_tokens_per_s": decode_tokens_per_s}
+    for num_blocks in capacities:
+        for policy in [*policies, *([BELADY] if with_belady else [])]:
+            config = ReplayConfig(num_blocks, policy, concurrency=concurrency,
+                                  timeline=timeline, **extra)
+            run = replay(prepared, config, progress)
+            result.runs.append(run)
+            if policy == BELADY:
+                result.belady_hit_rates.append(run.hit_rate)
+            else:
+                result.policy_to_hit_rates[policy].append(run.hit_rate)
+    _check_ordering(result)
+    return result
+
+
+def _check_ordering(result: SweepResult) -> None:
+    infinite = result.infinite_hit_rate
+    for i, capacity in enumerate(result.capacities):
+        ceiling = result.belady_hit_rates[i] if result.belady_hit_rates else infinite
+        if result.belady_hit_rates and ceiling > infinite + _ORDER_TOLERANCE:
+            result.ordering_violations.append(
+                f"{capacity} blocks: belady {ceiling:.6f} > infinite {infinite:.6f}")
+        for policy, rates in result.policy_to_hit_rates.items():
+            if rates[i] > ceiling + _ORDER_TOLERANCE:
+                name = "belady" if result.belady_hit_rates else "infinite"
+                result.ordering_violations.append(
+                    f"{capacity} blocks: {policy} {rates[i]:.6f} > {name} {ceiling:.6f}")
