@@ -1,0 +1,97 @@
+"""Shared pieces of the replay tests: the shared trace, small traces, and an independent LRU.
+
+The independent LRU simulation knows nothing of the manager: it models the free queue as an
+ordered dict of block keys (hashes for cached content, fresh tokens for blocks that hold
+nothing reusable) and re-derives every hit from the design's rules.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import PreparedTrace, prepare_trace
+from prefixcache.sim.trace import Trace, TraceRequest, load_trace
+
+# tests/sim/helpers.py -> parents[3] is the directory holding the repo and "shared".
+SHARED_DIR = Path(__file__).resolve().parents[3] / "shared"
+TRACE_PATH = SHARED_DIR / "traces" / "mooncake" / "synthetic_trace.jsonl"
+
+
+def trace_prefix(num_requests: int) -> Trace:
+    return load_trace(TRACE_PATH, max_requests=num_requests)
+
+
+def prepared_prefix(num_requests: int, block_size: int = 512,
+                    reserve_decode_slots: bool = True) -> PreparedTrace:
+    return prepare_trace(trace_prefix(num_requests), TraceExpander(block_size),
+                         reserve_decode_slots=reserve_decode_slots)
+
+
+def write_lines(path: Path, objects) -> Path:
+    path.write_text("".join(
+        (obj if isinstance(obj, str) else json.dumps(obj)) + "\n" for obj in objects))
+    return path
+
+
+def random_mooncake_trace(seed: int, num_requests: int = 60, num_roots: int = 6) -> Trace:
+    """Small trees of shared 512-token blocks: a few roots, branching continuations."""
+    rng = random.Random(seed)
+    next_id = 0
+    chains: list[list[int]] = []
+    requests = []
+    for line_no in range(1, num_requests + 1):
+        if chains and rng.random() < 0.7:
+            base = rng.choice(chains)
+            keep = rng.randint(1, len(base))
+            ids = base[:keep]
+        else:
+            ids = []
+        for _ in range(rng.randint(0 if ids else 1, 3)):
+            ids.append(next_id)
+            next_id += 1
+        if len(chains) < num_roots or rng.random() < 0.3:
+            chains.append(ids)
+        input_length = 512 * (len(ids) - 1) + rng.choice([1, 100, 511, 512])
+        requests.append(TraceRequest(line_no, input_length, rng.randint(0, 600),
+                                     float(line_no * rng.randint(50, 400)),
+                                     hash_ids=tuple(ids)))
+    return Trace("random", requests)
+
+
+def simple_lru_hit_rate(prepared: PreparedTrace, num_blocks: int) -> float:
+    """Sequential replay, one live request at a time, with a plain LRU over block keys."""
+    free: OrderedDict = OrderedDict()  # head = next to reuse
+    num_never_used = num_blocks  # blocks that never held anything come first
+    num_hit_tokens = 0
+    fresh = 0
+    for hashes, max_hit, needed in zip(prepared.block_hashes, prepared.max_hit_blocks,
+                                       prepared.blocks_needed, strict=True):
+        if needed > num_blocks:
+            continue
+        hit = 0
+        while hit < min(max_hit, len(hashes)) and hashes[hit] in free:
+            hit += 1
+        for key in hashes[:hit]:
+            del free[key]
+        to_take = needed - hit
+        from_never_used = min(to_take, num_never_used)
+        num_never_used -= from_never_used
+        for _ in range(to_take - from_never_used):
+            free.popitem(last=False)
+        table = list(hashes[:hit])
+        for key in hashes[hit:]:
+            if key in free:  # recomputed although cached: a duplicate, never looked up
+                fresh += 1
+                key = ("duplicate", fresh)
+            table.append(key)
+        while len(table) < needed:  # partial prompt block and decode slots
+            fresh += 1
+            table.append(("empty", fresh))
+        for key in reversed(table):  # freed last block first
+            free[key] = None
+        num_hit_tokens += hit * prepared.block_size
+    return num_hit_tokens / prepared.num_prompt_tokens

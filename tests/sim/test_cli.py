@@ -1,0 +1,124 @@
+"""``prefixcache replay`` end to end through the CLI's main()."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from prefixcache.entrypoints.cli import main
+from tests.sim.helpers import TRACE_PATH, write_lines
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    """The first 200 requests of the shared trace."""
+    path = tmp_path / "head.jsonl"
+    with TRACE_PATH.open() as source:
+        path.write_text("".join(next(source) for _ in range(200)))
+    return path
+
+
+def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["replay", str(small_trace), "--num-blocks", "2000", "--block-size", "512",
+                 "--policy", "lru,2q", "--json", str(out), "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "token hit rate" in text and "2q" in text and "not admitted" in text
+    payload = json.loads(out.read_text())
+    assert payload["num_requests"] == 200 and payload["block_size"] == 512
+    runs = payload["runs"]
+    assert [r["policy"] for r in runs] == ["lru", "2q"]
+    for run in runs:
+        assert run["num_hit_tokens"] / run["num_prompt_tokens"] == run["hit_rate"]
+        assert run["num_requests"] == 200 and run["num_blocks"] == 2000
+        assert run["requests_per_s"] > 0 and run["blocks_per_s"] > 0
+        assert 0 < run["mean_usage"] <= run["peak_usage"] <= 1
+
+
+def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    code = main(["replay", str(small_trace), "--sweep", "1000,300", "--block-size", "256",
+                 "--policy", "lru,unhashed-first,2q", "--json", str(out), "--plot", str(png),
+                 "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "belady" in text and "infinite" in text and "widest LRU->Belady gap" in text
+    payload = json.loads(out.read_text())
+    assert payload["capacities_blocks"] == [300, 1000]
+    assert payload["ordering_violations"] == []
+    assert set(payload["policy_hit_rates"]) == {"lru", "unhashed-first", "2q"}
+    assert len(payload["belady_hit_rates"]) == 2
+    assert len(payload["runs"]) == 2 * 4
+    assert png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_mode(small_trace, capsys):
+    assert main(["replay", str(small_trace), "--num-blocks", "3000", "--block-size", "512",
+                 "--timeline", "--decode-tokens-per-s", "5", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "timeline" in text and "mean wait" in text
+
+
+def test_token_id_trace(tmp_path, capsys):
+    path = write_lines(tmp_path / "t.jsonl", [list(range(40)), list(range(30)) + [99]])
+    assert main(["replay", str(path), "--num-blocks", "16", "--block-size", "8",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^hit tokens +24$", out, re.M)  # the second hits three 8-token blocks
+
+
+def test_clear_errors(tmp_path, capsys):
+    missing = tmp_path / "absent.jsonl"
+    assert main(["replay", str(missing), "--num-blocks", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "no such trace file" in err and "Traceback" not in err
+
+    bad = write_lines(tmp_path / "bad.jsonl", [[1, 2, 3], "{oops", [4, 5]])
+    assert main(["replay", str(bad), "--num-blocks", "8", "--block-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2: not valid JSON" in err and "Traceback" not in err
+
+    assert main(["replay", str(bad), "--num-blocks", "8", "--block-size", "2",
+                 "--skip-bad-lines", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 malformed line" in captured.err
+    assert re.search(r"^requests +2$", captured.out, re.M)
+
+    assert main(["replay", str(bad), "--num-blocks", "8", "--plot", "x.png"]) == 1
+    assert "--plot needs --sweep" in capsys.readouterr().err
+
+    assert main(["replay", str(bad), "--num-blocks", "8", "--timeline", "--skip-bad-lines"]) == 1
+    assert "needs a 'timestamp'" in capsys.readouterr().err
+
+    mooncake = write_lines(tmp_path / "m.jsonl", [
+        {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}])
+    assert main(["replay", str(mooncake), "--num-blocks", "8", "--block-size", "100"]) == 1
+    assert "does not divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-blocks", "0"], "must be >= 1"),
+    (["--sweep", "10,x"], "not an integer"),
+    (["--num-blocks", "8", "--policy", "mru"], "unknown policy 'mru'"),
+    (["--num-blocks", "8", "--sweep", "8"], "not allowed with"),
+    ([], "one of the arguments --num-blocks --sweep is required"),
+])
+def test_usage_errors(tmp_path, capsys, argv, message):
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    with pytest.raises(SystemExit) as info:
+        main(["replay", str(path), *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_formats_and_modes(capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    text = capsys.readouterr().out
+    for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
+                   "--kv-bytes-per-token", "--skip-bad-lines", "rejected"):
+        assert phrase in text

@@ -1,0 +1,171 @@
+"""The 2q policy and the Belady free queue keep the core's invariants; the default is
+untouched."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixcache.core import EVICTION_POLICIES, KVCacheBlock, KVCacheManager, Request
+from prefixcache.core.eviction import LRUFreeBlockQueue, TwoQueueFreeBlockQueue
+from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
+
+
+def free_ids(mgr):
+    return [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def check_invariants(mgr: KVCacheManager) -> None:
+    pool = mgr.block_pool
+    queue = pool.free_block_queue
+    free = queue.get_all_free_blocks()
+    free_set = {b.block_id for b in free}
+    assert len(free) == len(free_set) == queue.num_free_blocks
+    for block in pool.blocks:
+        assert (block.block_id in free_set) == (block.ref_cnt == 0), block
+        assert block.ref_cnt >= 0
+        if block.block_hash is not None:
+            assert block in pool.cached_block_hash_to_block.get_all_blocks(block.block_hash)
+    held = {}
+    for blocks in mgr.req_to_blocks.values():
+        for block in blocks:
+            held[block.block_id] = held.get(block.block_id, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_cnt == held.get(block.block_id, 0)
+
+
+def random_workload(mgr: KVCacheManager, seed: int, steps: int = 250,
+                    on_admit=None) -> None:
+    """Requests over a few shared prefixes, random lengths, decode steps and frees."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 20))] for _ in range(4)]
+    live: list[Request] = []
+    for step in range(steps):
+        if live and (rng.random() < 0.4 or len(live) > 4):
+            mgr.free(live.pop(rng.randrange(len(live))))
+        elif live and rng.random() < 0.3:
+            request = rng.choice(live)
+            request.append_output_token_ids(rng.randrange(50))
+            num_new = request.num_tokens - request.num_computed_tokens
+            if mgr.allocate_slots(request, num_new) is not None:
+                request.num_computed_tokens += num_new
+        else:
+            prompt = rng.choice(prefixes)[:rng.randint(1, 20)] + \
+                [rng.randrange(50) for _ in range(rng.randint(0, 6))]
+            request = Request(f"r{step}", prompt or [1])
+            if on_admit is not None:
+                on_admit(step)
+            blocks, num_hit_tokens = mgr.get_computed_blocks(request)
+            new = mgr.allocate_slots(request, request.num_tokens - num_hit_tokens,
+                                     num_hit_tokens, blocks)
+            if new is not None:
+                request.num_computed_tokens = request.num_tokens
+                live.append(request)
+        check_invariants(mgr)
+    for request in live:
+        mgr.free(request)
+    check_invariants(mgr)
+    assert mgr.num_free_blocks == mgr.num_blocks  # nothing leaked
+
+
+def test_2q_is_registered_and_lru_stays_the_default():
+    assert EVICTION_POLICIES["2q"] is TwoQueueFreeBlockQueue
+    assert type(KVCacheManager(10, 4).block_pool.free_block_queue) is LRUFreeBlockQueue
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_2q_keeps_the_core_invariants(seed):
+    random_workload(KVCacheManager(12, 4, eviction_policy="2q"), seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_belady_queue_keeps_the_core_invariants(seed):
+    # Any oracle must leave the invariants intact; a made-up one exercises re-keying.
+    future = FutureUses([], [])
+    mgr = KVCacheManager(12, 4)
+    queue = BeladyFreeBlockQueue(mgr.block_pool.blocks, future)
+    mgr.block_pool.free_block_queue = queue
+
+    def on_admit(step):
+        queue.now = step
+
+    random_workload(mgr, seed, on_admit=on_admit)
+
+
+def _design_example(mgr: KVCacheManager) -> list[list[int]]:
+    """The design's ten-block example (time 1 to 6); the allocated block ids per step."""
+    tokens = list(range(15))
+    steps = []
+    r0 = Request("0", tokens)
+    steps.append([b.block_id for b in mgr.allocate_slots(r0, 15)])
+    r0.num_computed_tokens = 15
+    r0.append_output_token_ids(15)
+    steps.append([b.block_id for b in mgr.allocate_slots(r0, 1)])
+    r0.num_computed_tokens = 16
+    r0.append_output_token_ids(16)
+    steps.append([b.block_id for b in mgr.allocate_slots(r0, 1)])
+    r0.num_computed_tokens = 17
+    r1 = Request("1", tokens[:10] + [100, 101, 102, 103])
+    hit, num_hit = mgr.get_computed_blocks(r1)
+    steps.append([b.block_id for b in hit] + [b.block_id for b in mgr.allocate_slots(
+        r1, 14 - num_hit, num_hit, hit)])
+    mgr.free(r0)
+    mgr.free(r1)
+    r2 = Request("2", tokens[:12] + list(range(200, 217)))
+    hit, num_hit = mgr.get_computed_blocks(r2)
+    steps.append([b.block_id for b in hit] + [b.block_id for b in mgr.allocate_slots(
+        r2, 29 - num_hit, num_hit, hit)])
+    return steps
+
+
+def test_worked_example_unchanged_by_default_and_with_2q_registered():
+    steps = _design_example(KVCacheManager(10, 4))
+    # Time 6 of the design: hits 0, 1, 2, then 7, 8, 9, 4, 3 (evicted) from the queue.
+    assert steps == [[0, 1, 2, 3], [], [4], [0, 1, 5, 6], [0, 1, 2, 7, 8, 9, 4, 3]]
+    # 2q serves the same hits in the example; only the choice of new blocks may differ.
+    with_2q = _design_example(KVCacheManager(10, 4, eviction_policy="2q"))
+    assert [s[:3] for s in with_2q] == [s[:3] for s in steps]
+
+
+def test_2q_protects_reused_content_and_puts_empty_blocks_first():
+    queue = TwoQueueFreeBlockQueue([KVCacheBlock(i) for i in range(6)])
+    taken = queue.popleft_n(4)
+    for block, h in zip(taken, [b"a", b"b", b"c", None], strict=True):
+        block.block_hash = h
+    queue.release(list(reversed(taken)))  # block 3 holds nothing
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [3, 4, 5, 2, 1, 0]
+    queue.remove(taken[0])  # a hit on a free block: its content is reused
+    taken[0].ref_cnt = 1
+    queue.release([taken[0]])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [3, 4, 5, 2, 1, 0]
+    assert queue.is_protected[0] == 1 and queue.protected.num_free_blocks == 1
+    # Taking blocks drains probation before protected.
+    assert [b.block_id for b in queue.popleft_n(5)] == [3, 4, 5, 2, 1]
+    assert queue.num_free_blocks == 1
+
+
+def test_2q_ghost_protects_content_recomputed_after_eviction():
+    mgr = KVCacheManager(4, 4, eviction_policy="2q")
+    doc = list(range(8))
+    for i, prompt in enumerate([doc + [90], list(range(50, 58)) + [91], doc + [92]]):
+        request = Request(str(i), prompt)
+        hit, num_hit = mgr.get_computed_blocks(request)
+        assert mgr.allocate_slots(request, 9 - num_hit, num_hit, hit) is not None
+        mgr.free(request)
+    queue = mgr.block_pool.free_block_queue
+    # The third request recomputed the evicted document: it comes back protected.
+    protected = {b.block_hash for b in queue.protected.get_all_free_blocks()}
+    assert protected == set(Request("x", doc, block_hasher=mgr.block_hasher).block_hashes)
+
+
+def test_2q_demotes_beyond_its_protected_share():
+    queue = TwoQueueFreeBlockQueue([KVCacheBlock(i) for i in range(10)])
+    assert queue.max_protected == 9
+    taken = queue.popleft_n(10)
+    for block in taken:
+        block.block_hash = bytes([block.block_id])
+        queue.is_reused[block.block_id] = 1
+    queue.release(taken)
+    assert queue.protected.num_free_blocks == 9 and queue.num_probation == 1
+    assert [b.block_id for b in queue.get_all_free_blocks()] == list(range(10))

@@ -1,0 +1,148 @@
+"""Replays through the real manager: agreement with an independent LRU, reference orderings,
+modes, admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.core import EVICTION_POLICIES
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.replay import ReplayConfig, replay
+from prefixcache.sim.sweep import infinite_cache_hit_rate, sweep
+from prefixcache.sim.trace import Trace, TraceRequest
+from tests.sim.helpers import prepared_prefix, random_mooncake_trace, simple_lru_hit_rate
+
+ONLINE = list(EVICTION_POLICIES)
+
+
+@pytest.fixture(scope="module")
+def prefix_512():
+    return prepared_prefix(600, 512)
+
+
+@pytest.mark.parametrize("num_blocks", [2000, 4000, 8000])
+def test_lru_agrees_with_an_independent_simulation(prefix_512, num_blocks):
+    result = replay(prefix_512, ReplayConfig(num_blocks, "lru"))
+    expected = simple_lru_hit_rate(prefix_512, num_blocks)
+    assert expected > 0.02  # the capacity is small enough to evict and big enough to hit
+    assert abs(result.hit_rate - expected) <= 0.005
+
+
+def test_lru_agrees_at_a_small_block_size():
+    prepared = prepared_prefix(150, 64)
+    for num_blocks in (3000, 12000):
+        result = replay(prepared, ReplayConfig(num_blocks, "lru"))
+        assert abs(result.hit_rate - simple_lru_hit_rate(prepared, num_blocks)) <= 0.005
+
+
+def test_sweep_orderings_on_the_shared_trace(prefix_512):
+    result = sweep(prefix_512, [1000, 3000, 8000, 16000], ONLINE)
+    assert result.ordering_violations == []
+    for i in range(len(result.capacities)):
+        belady = result.belady_hit_rates[i]
+        assert result.infinite_hit_rate >= belady
+        for policy in ONLINE:
+            assert belady >= result.policy_to_hit_rates[policy][i]
+    # Belady is strictly better where the cache is tight, and reaches the ceiling when big.
+    assert result.belady_hit_rates[0] > max(r[0] for r in result.policy_to_hit_rates.values())
+    assert result.belady_hit_rates[-1] == pytest.approx(result.infinite_hit_rate)
+    gap = result.widest_gap()
+    assert gap["gap"] > 0 and gap["best_policy"] in ONLINE
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode", [{"concurrency": 1}, {"concurrency": 3}, {"timeline": True}])
+def test_belady_never_below_a_policy_on_random_trees(seed, mode):
+    prepared = prepare_trace(random_mooncake_trace(seed), TraceExpander(128))
+    smallest = max(prepared.blocks_needed)
+    capacities = [smallest, smallest + 8, 2 * smallest, 4 * smallest]
+    result = sweep(prepared, capacities, ONLINE, decode_tokens_per_s=20.0
+                   if mode.get("timeline") else None, **mode)
+    assert result.ordering_violations == []
+    assert all(b <= result.infinite_hit_rate + 1e-12 for b in result.belady_hit_rates)
+
+
+def test_belady_and_infinite_orderings_under_concurrency_and_timeline(prefix_512):
+    for mode in ({"concurrency": 8}, {"timeline": True}):
+        result = sweep(prefix_512, [3000], ONLINE, **mode)
+        assert result.ordering_violations == []
+
+
+def test_infinite_hit_rate_is_the_replay_with_a_cache_that_never_fills(prefix_512):
+    huge = sum(prefix_512.blocks_needed)
+    result = replay(prefix_512, ReplayConfig(huge, "lru"))
+    assert result.num_evictions == 0
+    assert result.hit_rate == infinite_cache_hit_rate(prefix_512)
+
+
+def test_replays_are_deterministic_and_policies_admit_alike(prefix_512):
+    first = replay(prefix_512, ReplayConfig(1000, "2q", concurrency=4))
+    again = replay(prefix_512, ReplayConfig(1000, "2q", concurrency=4))
+    assert (first.num_hit_tokens, first.num_evictions) == (again.num_hit_tokens,
+                                                           again.num_evictions)
+    lru = replay(prefix_512, ReplayConfig(1000, "lru", concurrency=4))
+    assert lru.num_delayed_requests == first.num_delayed_requests
+    assert lru.peak_usage == first.peak_usage
+
+
+def _token_trace(lengths, output_length=0, gap_ms=0.0):
+    return Trace("tokens", [
+        TraceRequest(i + 1, n, output_length, i * gap_ms, token_ids=tuple(range(n)))
+        for i, n in enumerate(lengths)])
+
+
+def test_rejected_requests_count_as_misses():
+    # Block size 4: the 20-token prompt needs 5 blocks, more than the whole cache of 4.
+    prepared = prepare_trace(_token_trace([8, 20, 9]), TraceExpander(4))
+    result = replay(prepared, ReplayConfig(4, "lru"))
+    assert result.num_requests == 3
+    assert result.num_rejected_requests == 1 and result.num_admitted_requests == 2
+    assert result.num_prompt_tokens == 37
+    assert result.num_hit_tokens == 8  # request 3 hits request 1's two blocks
+    assert result.hit_rate == 8 / 37
+
+
+def test_sequential_concurrency_pins_and_delays():
+    # Three 12-token requests (3 blocks each) with nothing shared, 2 live, 7 blocks.
+    trace = Trace("t", [TraceRequest(i, 12, 0, None, token_ids=tuple(range(100 * i,
+                                                                         100 * i + 12)))
+                        for i in range(1, 4)])
+    prepared = prepare_trace(trace, TraceExpander(4))
+    result = replay(prepared, ReplayConfig(7, "lru", concurrency=3))
+    assert result.num_delayed_requests == 1  # the third waits for the first to finish
+    assert result.peak_usage == pytest.approx(6 / 7)
+    assert result.num_evictions == 2
+
+
+def test_timeline_holds_blocks_for_the_decode_time():
+    # 4 blocks; each request needs 2 (4-token prompt + 4 decode slots at block size 4).
+    trace = Trace("t", [
+        TraceRequest(1, 4, 4, 0.0, token_ids=(1, 2, 3, 4)),
+        TraceRequest(2, 4, 4, 100.0, token_ids=(5, 6, 7, 8)),
+        TraceRequest(3, 4, 4, 200.0, token_ids=(9, 10, 11, 12)),
+    ])
+    prepared = prepare_trace(trace, TraceExpander(4))
+    # 4 tokens at 10 tokens/s: live for 0.4 s, so request 3 arrives while 1 and 2 hold all.
+    result = replay(prepared, ReplayConfig(4, "lru", timeline=True, decode_tokens_per_s=10.0))
+    assert result.num_delayed_requests == 1
+    assert result.mean_wait_s == pytest.approx(0.2 / 3)
+    assert result.peak_usage == 1.0
+    fast = replay(prepared, ReplayConfig(4, "lru", timeline=True, decode_tokens_per_s=100.0))
+    assert fast.num_delayed_requests == 0 and fast.mean_wait_s == 0.0
+
+
+def test_timeline_needs_timestamps():
+    prepared = prepare_trace(_token_trace([4, 4]), TraceExpander(4))
+    prepared.requests[0] = TraceRequest(1, 4, 0, None, token_ids=(0, 1, 2, 3))
+    with pytest.raises(ValueError, match="timestamp"):
+        replay(prepared, ReplayConfig(4, "lru", timeline=True))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        ReplayConfig(4, "mru")
+    with pytest.raises(ValueError, match="num_blocks"):
+        ReplayConfig(0)
+    with pytest.raises(ValueError, match="concurrency"):
+        ReplayConfig(4, concurrency=0)

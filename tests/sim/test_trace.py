@@ -1,0 +1,94 @@
+"""Reading traces: both formats, malformed lines, missing files."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.sim.trace import TraceFormatError, load_trace, parse_line
+from tests.sim.helpers import TRACE_PATH, trace_prefix, write_lines
+
+
+def test_shared_trace_parses_as_mooncake():
+    trace = trace_prefix(50)
+    assert len(trace.requests) == 50
+    first = trace.requests[0]
+    assert (first.line_no, first.input_length, first.output_length) == (1, 40160, 6)
+    assert first.hash_ids[:3] == (0, 1, 2) and len(first.hash_ids) == 79
+    assert first.token_ids is None and first.timestamp_ms == 0.0
+    assert trace.has_timestamps and trace.num_bad_lines == 0
+
+
+def test_whole_shared_trace_is_well_formed():
+    trace = load_trace(TRACE_PATH)
+    assert len(trace.requests) == 3993
+    assert trace.num_bad_lines == 0
+
+
+def test_token_id_formats(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [
+        [1, 2, 3],
+        "",
+        {"prompt_token_ids": [4, 5], "timestamp": 7, "output_length": 3},
+        {"prompt_token_ids": [6]},
+    ])
+    trace = load_trace(path)
+    assert [r.token_ids for r in trace.requests] == [(1, 2, 3), (4, 5), (6,)]
+    assert [r.line_no for r in trace.requests] == [1, 3, 4]
+    assert [r.input_length for r in trace.requests] == [3, 2, 1]
+    assert [r.output_length for r in trace.requests] == [0, 3, 0]
+    assert [r.timestamp_ms for r in trace.requests] == [None, 7.0, None]
+    assert not trace.has_timestamps
+
+
+@pytest.mark.parametrize("text,reason", [
+    ("{not json", "not valid JSON"),
+    ('"a string"', "expected a JSON object"),
+    ("[]", "non-empty list"),
+    ('[1, "2"]', "non-negative integers"),
+    ("[1, -2]", "non-negative integers"),
+    ('{"foo": 1}', r"'hash_ids' \(Mooncake format\) or 'prompt_token_ids'"),
+    ('{"hash_ids": [1]}', "missing field 'input_length'"),
+    ('{"input_length": 600, "hash_ids": [1]}', "expected 2"),
+    ('{"input_length": 0, "hash_ids": []}', "at least 1"),
+    ('{"input_length": 10, "hash_ids": ["x"]}', "'hash_ids' must be"),
+    ('{"input_length": 10, "hash_ids": [1], "timestamp": -1}', "'timestamp'"),
+    ('{"input_length": 10, "hash_ids": [1], "output_length": 1.5}', "'output_length'"),
+    ('{"input_length": true, "hash_ids": [1]}', "'input_length'"),
+])
+def test_bad_line_reasons(text, reason):
+    with pytest.raises(ValueError, match=reason):
+        parse_line(text, 1)
+
+
+def test_bad_line_error_names_file_and_line(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2], [3], "{oops", [4]])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:3: not valid JSON") as info:
+        load_trace(path)
+    assert "--skip-bad-lines" in str(info.value)
+
+
+def test_skip_bad_lines_counts_them(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2], "{oops", '{"x": 1}', [4]])
+    trace = load_trace(path, skip_bad_lines=True)
+    assert [r.token_ids for r in trace.requests] == [(1, 2), (4,)]
+    assert trace.num_bad_lines == 2
+    assert trace.first_bad_line.endswith("t.jsonl:2: not valid JSON (Expecting property name "
+                                         "enclosed in double quotes at column 2)")
+
+
+def test_missing_empty_and_binary_files(tmp_path):
+    with pytest.raises(TraceFormatError, match="no such trace file"):
+        load_trace(tmp_path / "absent.jsonl")
+    with pytest.raises(TraceFormatError, match="no requests"):
+        load_trace(write_lines(tmp_path / "empty.jsonl", ["", ""]))
+    with pytest.raises(TraceFormatError, match="no requests"):
+        load_trace(write_lines(tmp_path / "bad.jsonl", ["{oops"]), skip_bad_lines=True)
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(TraceFormatError, match="not a UTF-8 text file"):
+        load_trace(binary)
+
+
+def test_max_requests(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [[1], [2], [3]])
+    assert [r.token_ids for r in load_trace(path, max_requests=2).requests] == [(1,), (2,)]
