@@ -61,8 +61,9 @@ class PagedAttention(nn.Module):
             if chunk.key_slots is None:
                 chunk_key, chunk_value = key[start:end], value[start:end]  # [q, kv_heads, d]
             else:
-                chunk_key = key_slots_view[chunk.key_slots]  # [seq_len, kv_heads, d]
-                chunk_value = value_slots_view[chunk.key_slots]
+                # [seq_len, kv_heads, d]; index_select is far cheaper than advanced indexing.
+                chunk_key = key_slots_view.index_select(0, chunk.key_slots)
+                chunk_value = value_slots_view.index_select(0, chunk.key_slots)
             seq_len = chunk_key.shape[0]
             # [seq_len, kv_heads, d] -> [kv_heads, group, seq_len, d], a view (no copy).
             chunk_key = chunk_key.to(query.dtype).transpose(0, 1)[:, None]
@@ -84,9 +85,13 @@ class PagedAttention(nn.Module):
             num_decodes = indices.shape[0]
             # [D, kv_heads, group, d]: the group's query heads are the query rows.
             decode_query = query[indices].view(num_decodes, kv_heads, group, head_dim)
-            # [D, max_len, kv_heads, d] -> [D, kv_heads, max_len, d]
-            decode_key = key_slots_view[metadata.decode_key_slots].transpose(1, 2)
-            decode_value = value_slots_view[metadata.decode_key_slots].transpose(1, 2)
+            key_slots = metadata.decode_key_slots  # [D, max_len]
+            gathered_shape = (num_decodes, key_slots.shape[1], kv_heads, head_dim)
+            # [D * max_len, kv_heads, d] -> [D, max_len, kv_heads, d] -> [D, kv_heads, max_len, d]
+            decode_key = key_slots_view.index_select(0, key_slots.view(-1))
+            decode_key = decode_key.view(gathered_shape).transpose(1, 2)
+            decode_value = value_slots_view.index_select(0, key_slots.view(-1))
+            decode_value = decode_value.view(gathered_shape).transpose(1, 2)
             attended = F.scaled_dot_product_attention(
                 decode_query,
                 decode_key.to(query.dtype),

@@ -164,9 +164,11 @@ class ModelRunner:
         padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
         tables = torch.tensor(padded, dtype=torch.int64)  # [D, max_blocks]
         # [D, max_blocks, block_size] -> [D, max_blocks * block_size] -> [D, max_len]
-        key_slots = (tables[:, :, None] * self.block_size + self._block_offsets).view(
-            len(decode_rows), -1
-        )[:, :max_len]
+        key_slots = (
+            (tables[:, :, None] * self.block_size + self._block_offsets)
+            .view(len(decode_rows), -1)[:, :max_len]
+            .contiguous()
+        )  # flattened by attention, so kept contiguous
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         key_mask = torch.arange(max_len)[None, :] < lens[:, None]  # [D, max_len]
         metadata.decode_token_indices = torch.tensor(decode_rows, dtype=torch.int64)
