@@ -24,6 +24,9 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, n, max_token
 temperature, top_p, seed, stop, cache_salt), GET /v1/models, GET /health, GET /metrics
 (Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true].
 
+Every response's usage.prompt_tokens_details.cached_tokens counts the prompt tokens
+served from the prefix cache (with n > 1: per prompt, the least over its n choices).
+
 With --api-key-file, every request needs 'Authorization: Bearer <key>' and each key's
 tenant gets its own prefix-cache partition, whatever cache_salt its requests carry.
 """

@@ -1,0 +1,46 @@
+"""``prefixcache serve`` refuses bad configuration with exit code 2 and a message, before
+binding anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.entrypoints.cli import build_parser, main
+from prefixcache.entrypoints.openai.serve_cmd import engine_options
+
+
+def test_flags_map_to_engine_options_in_vllm_spelling():
+    args = build_parser().parse_args([
+        "serve", "/models/m", "--block-size", "32", "--no-enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor", "--num-gpu-blocks-override", "100",
+        "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--dtype", "bfloat16", "--seed", "3"])
+    assert engine_options(args) == {
+        "model": "/models/m", "enable_prefix_caching": False, "block_size": 32,
+        "num_kv_blocks": 100, "dtype": "bfloat16", "hash_algo": "sha256_cbor",
+        "enable_chunked_prefill": True, "seed": 3, "kv_cache_memory_bytes": 1 << 30,
+        "max_num_seqs": 8, "max_num_batched_tokens": 512}
+    defaults = engine_options(build_parser().parse_args(["serve"]))
+    assert defaults["model"] is None and "max_num_seqs" not in defaults
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--api-key-file", "/nonexistent/keys.txt"],
+    ["serve", "--api-key", "k", "--api-key-file", "{keys}"],
+    ["serve", "{missing_model}"],
+    ["serve", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"],
+], ids=["missing-key-file", "key-and-key-file", "missing-model", "replay-without-endpoint"])
+def test_bad_configuration_exits_2(argv, tmp_path, capsys):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k1 tenant\n")
+    argv = [a.format(keys=keys, missing_model=tmp_path / "no-model") for a in argv]
+    assert main(argv) == 2
+    assert "prefixcache serve:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--port", "70000"], ["--block-size", "0"],
+                                  ["--kv-cache-memory", "lots"], ["--dtype", "int4"]])
+def test_bad_flag_values_are_usage_errors(flag):
+    with pytest.raises(SystemExit) as excinfo:
+        build_parser().parse_args(["serve", *flag])
+    assert excinfo.value.code == 2
