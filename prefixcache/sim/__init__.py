@@ -1,1 +1,35 @@
-"""prefixcache.sim"""
+"""prefixcache.sim — trace replay and capacity planning over the real KV cache manager.
+
+``trace`` reads request traces (Mooncake hash ids or token ids), ``expand`` turns them into
+token ids and block hashes, ``prepared`` hashes a trace once for many replays, ``replay``
+drives :class:`~prefixcache.core.KVCacheManager` (sequential or timeline), ``belady`` is
+the offline-optimal free queue, ``sweep`` builds hit-rate-vs-capacity curves, ``report``
+prints and plots them, and ``replay_cmd`` is ``prefixcache replay``. Depends on
+``prefixcache.core`` only (plus tqdm and matplotlib inside the command).
+"""
+
+from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import PreparedTrace, prepare_trace
+from prefixcache.sim.replay import ReplayConfig, ReplayResult, policy_names, replay
+from prefixcache.sim.sweep import SweepResult, infinite_cache_hit_rate, sweep
+from prefixcache.sim.trace import Trace, TraceFormatError, TraceRequest, load_trace
+
+__all__ = [
+    "BeladyFreeBlockQueue",
+    "FutureUses",
+    "PreparedTrace",
+    "ReplayConfig",
+    "ReplayResult",
+    "SweepResult",
+    "Trace",
+    "TraceExpander",
+    "TraceFormatError",
+    "TraceRequest",
+    "infinite_cache_hit_rate",
+    "load_trace",
+    "policy_names",
+    "prepare_trace",
+    "replay",
+    "sweep",
+]
