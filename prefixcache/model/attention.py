@@ -59,7 +59,10 @@ class PagedAttention(nn.Module):
             chunk_query = query[start:end].view(num_queries, kv_heads, group, head_dim)
             chunk_query = chunk_query.permute(1, 2, 0, 3)
             if chunk.key_slots is None:
-                chunk_key, chunk_value = key[start:end], value[start:end]  # [q, kv_heads, d]
+                # [q, kv_heads, d], rounded to the cache dtype like keys read back later, so
+                # a cold prompt and a cache hit see the same key values.
+                chunk_key = key[start:end].to(key_slots_view.dtype)
+                chunk_value = value[start:end].to(value_slots_view.dtype)
             else:
                 # [seq_len, kv_heads, d]; index_select is far cheaper than advanced indexing.
                 chunk_key = key_slots_view.index_select(0, chunk.key_slots)
