@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import itertools
 import logging
 import queue
 import threading
@@ -193,7 +192,6 @@ class AsyncLLM:
         self._pending_reset: _PendingReset | None = None
         self._stats: EngineStats = copy.copy(engine.get_stats())
         self._dead_reason: str | None = None
-        self._ids = itertools.count()
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name="prefixcache-engine-loop",
                                         daemon=True)
@@ -230,9 +228,6 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self._dead_reason is None and self._thread.is_alive()
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def get_stats(self) -> EngineStats:
         """The engine's stats as of the end of the engine loop's last iteration."""
