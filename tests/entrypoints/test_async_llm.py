@@ -93,9 +93,11 @@ def test_leaving_a_stream_early_aborts_it(llm):
 
 
 async def wait_until(predicate, timeout_s: float = TIMEOUT_S) -> None:
-    async with asyncio.timeout(timeout_s):
+    async def poll() -> None:
         while not predicate():
             await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout_s)
 
 
 def test_cancelling_the_consumer_aborts(llm):
