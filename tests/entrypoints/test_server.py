@@ -268,3 +268,17 @@ def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server, htt
     generated = after["prefixcache:generation_tokens_total"] \
         - before["prefixcache:generation_tokens_total"]
     assert generated < 8 * 480  # stopped early, not run to max_tokens
+
+
+def test_streamed_chat_with_n_choices_opens_and_finishes_each(openai_client):
+    messages = [{"role": "user", "content": unique_prompt()}]
+    kwargs = {"model": MODEL_NAME, "messages": messages, "max_tokens": 5, "n": 2,
+              "temperature": 0.0}
+    plain = openai_client.chat.completions.create(**kwargs)
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert "".join(c.delta.content or "" for c in mine) \
+            == plain.choices[index].message.content
