@@ -80,6 +80,7 @@ class _Run:
     prompt_lengths: list[int]
     arrival_time: float
     request_id_to_index: dict[str, int]
+    is_chat: bool
     final_outputs: dict[int, RequestOutput] = field(default_factory=dict)
 
     def usage(self) -> UsageInfo:
@@ -241,7 +242,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
-                   request_id_to_index)
+                   request_id_to_index, is_chat=id_prefix == "chatcmpl")
         return run, stream
 
     # ---- response side -----------------------------------------------------------------
@@ -310,7 +311,7 @@ class OpenAIServing:
                 self._record_abandoned(run)
 
     def _usage_chunk(self, run: _Run) -> str:
-        if run.api_id.startswith("chatcmpl"):
+        if run.is_chat:
             return ChatCompletionStreamResponse(
                 id=run.api_id, created=now_s(), model=run.model, choices=[],
                 usage=run.usage()).model_dump_json()
