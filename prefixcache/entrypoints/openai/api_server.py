@@ -166,6 +166,9 @@ async def _unless_client_leaves(raw_request: Request, work: Any) -> Any:
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down: take the work with us
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if task.done():
