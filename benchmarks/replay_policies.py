@@ -4,7 +4,10 @@
    rate per capacity for every online policy, Belady's offline optimum and the infinite
    cache; the capacity where Belady beats LRU by most, and the fraction of that gap the
    best online policy closes.
-2. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
+2. The trace's reuse hazard (:mod:`prefixcache.sim.reuse`): how likely content seen once,
+   or seen again, is to be looked up within the next 100 requests, by age — what limits
+   every online policy.
+3. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
    and 16: reading the trace, hashing (expansion), and the replay itself.
 
     python benchmarks/replay_policies.py [--quick] [--trace PATH]
@@ -23,6 +26,7 @@ from prefixcache.core import EVICTION_POLICIES
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
+from prefixcache.sim.reuse import reuse_hazard
 from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import load_trace
 
@@ -85,6 +89,7 @@ def main() -> int:
             "widest_gap": result.widest_gap(),
             "wall_s": round(sweep_s, 1),
         },
+        "reuse_hazard": reuse_hazard(prepared).to_dict(),
         "replay_wall_time": [timed_replay(args.trace, 512), timed_replay(args.trace, 16)],
     }
     json.dump(output, sys.stdout, indent=1)

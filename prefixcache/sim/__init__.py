@@ -3,8 +3,9 @@
 ``trace`` reads request traces (Mooncake hash ids or token ids), ``expand`` turns them into
 token ids and block hashes, ``prepared`` hashes a trace once for many replays, ``replay``
 drives :class:`~prefixcache.core.KVCacheManager` (sequential or timeline), ``belady`` is
-the offline-optimal free queue, ``sweep`` builds hit-rate-vs-capacity curves, ``report``
-prints and plots them, and ``replay_cmd`` is ``prefixcache replay``. Depends on
+the offline-optimal free queue, ``sweep`` builds hit-rate-vs-capacity curves, ``reuse``
+measures how predictable a trace's reuse is (what bounds every online policy), ``report``
+prints and plots the curves, and ``replay_cmd`` is ``prefixcache replay``. Depends on
 ``prefixcache.core`` only (plus tqdm and matplotlib inside the command).
 """
 
@@ -12,6 +13,7 @@ from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.replay import ReplayConfig, ReplayResult, policy_names, replay
+from prefixcache.sim.reuse import ReuseHazard, reuse_hazard
 from prefixcache.sim.sweep import SweepResult, infinite_cache_hit_rate, sweep
 from prefixcache.sim.trace import Trace, TraceFormatError, TraceRequest, load_trace
 
@@ -21,6 +23,7 @@ __all__ = [
     "PreparedTrace",
     "ReplayConfig",
     "ReplayResult",
+    "ReuseHazard",
     "SweepResult",
     "Trace",
     "TraceExpander",
@@ -31,5 +34,6 @@ __all__ = [
     "policy_names",
     "prepare_trace",
     "replay",
+    "reuse_hazard",
     "sweep",
 ]
