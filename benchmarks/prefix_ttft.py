@@ -57,20 +57,41 @@ def make_engine(loaded: LoadedModel, enable_prefix_caching: bool, num_kv_blocks:
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Submit every prompt at once and run to completion; wall time and token counts."""
+    """Submit every prompt at once and run to completion: wall and CPU time, token counts,
+    and the time spent scheduling (where all prefix-caching work — hashing, lookups, block
+    bookkeeping — happens, apart from hashing blocks that generated tokens complete)."""
+    schedule = engine.scheduler.schedule
+    schedule_seconds = 0.0
+
+    def timed_schedule():
+        nonlocal schedule_seconds
+        begin = time.perf_counter()
+        output = schedule()
+        schedule_seconds += time.perf_counter() - begin
+        return output
+
+    engine.scheduler.schedule = timed_schedule
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     num_output_tokens = 0
     num_cached_tokens = 0
+    finish_reasons: dict[str, int] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 num_output_tokens += len(output.token_ids)
                 num_cached_tokens += output.num_cached_tokens
+                reason = output.finish_reason
+                finish_reasons[reason] = finish_reasons.get(reason, 0) + 1
+                if output.error:
+                    print(f"request {output.request_id} failed: {output.error}",
+                          file=sys.stderr)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens": num_output_tokens,
-            "cached_tokens": num_cached_tokens}
+    return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu_start,
+            "schedule_seconds": schedule_seconds, "output_tokens": num_output_tokens,
+            "cached_tokens": num_cached_tokens, "finish_reasons": finish_reasons}
 
 
 def time_to_first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
@@ -143,6 +164,8 @@ def bench_shared_prefix(loaded: LoadedModel, args, rng: random.Random) -> dict:
         "caching_on_seconds": [round(r["seconds"], 2) for r in results[True]],
         "caching_off_seconds": [round(r["seconds"], 2) for r in results[False]],
         "caching_on_cached_tokens": results[True][0]["cached_tokens"],
+        "output_tokens_per_run": [r["output_tokens"] for r in results[True] + results[False]],
+        "finish_reasons": results[True][0]["finish_reasons"],
         "speedup": round(on / off, 2),
         "target": ">= 3x",
     }
@@ -152,7 +175,8 @@ def bench_zero_hit_overhead(loaded: LoadedModel, args, rng: random.Random) -> di
     vocab_size = loaded.arch_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.overhead_output_tokens,
                             ignore_eos=True)
-    ratios, on_seconds, off_seconds = [], [], []
+    ratios, cpu_ratios, on_seconds, off_seconds = [], [], [], []
+    schedule_seconds: dict[bool, list[float]] = {True: [], False: []}
     run_all(make_engine(loaded, True, args.num_kv_blocks),
             [random_prompt(rng, 32, vocab_size)], params)  # warm-up
     for repeat in range(args.overhead_repeats):
@@ -160,15 +184,22 @@ def bench_zero_hit_overhead(loaded: LoadedModel, args, rng: random.Random) -> di
                    for _ in range(args.overhead_requests)]
         # Alternate which side goes first so neither always runs on a warmer machine.
         order = (True, False) if repeat % 2 == 0 else (False, True)
-        seconds = {}
+        runs = {}
         for caching in order:
-            result = run_all(make_engine(loaded, caching, args.num_kv_blocks), prompts, params)
-            assert result["cached_tokens"] == 0
-            seconds[caching] = result["seconds"]
-        on_seconds.append(seconds[True])
-        off_seconds.append(seconds[False])
-        ratios.append(seconds[True] / seconds[False])
+            runs[caching] = run_all(make_engine(loaded, caching, args.num_kv_blocks),
+                                    prompts, params)
+            assert runs[caching]["cached_tokens"] == 0
+            schedule_seconds[caching].append(runs[caching]["schedule_seconds"])
+        on_seconds.append(runs[True]["seconds"])
+        off_seconds.append(runs[False]["seconds"])
+        ratios.append(runs[True]["seconds"] / runs[False]["seconds"])
+        cpu_ratios.append(runs[True]["cpu_seconds"] / runs[False]["cpu_seconds"])
     median_ratio = statistics.median(ratios)
+    median_cpu_ratio = statistics.median(cpu_ratios)
+    # The caching work itself, as a share of the run: (schedule time on - off) / run time.
+    direct = statistics.median(
+        (on - off) / total for on, off, total in
+        zip(schedule_seconds[True], schedule_seconds[False], off_seconds, strict=True))
     return {
         "num_requests": args.overhead_requests,
         "prompt_tokens": args.overhead_prompt_tokens,
@@ -178,6 +209,11 @@ def bench_zero_hit_overhead(loaded: LoadedModel, args, rng: random.Random) -> di
         "caching_off_seconds": [round(s, 3) for s in off_seconds],
         "median_on_over_off": round(median_ratio, 4),
         "overhead_percent": round((median_ratio - 1) * 100, 2),
+        "median_cpu_on_over_off": round(median_cpu_ratio, 4),
+        "cpu_overhead_percent": round((median_cpu_ratio - 1) * 100, 2),
+        "schedule_seconds_on": [round(x, 4) for x in schedule_seconds[True]],
+        "schedule_seconds_off": [round(x, 4) for x in schedule_seconds[False]],
+        "caching_work_percent_of_run": round(direct * 100, 3),
         "target": "<= 2%",
     }
 
@@ -262,6 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overhead-repeats", type=int, default=7)
     parser.add_argument("--hf-requests", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--only", choices=("ttft", "throughput", "overhead"), default=None,
+                        help="run one part (and no transformers comparison)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both engines and transformers "
@@ -297,13 +335,14 @@ def main(argv=None) -> int:
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
         "args": {k: v for k, v in vars(args).items()},
     }
-    result["ttft"] = bench_ttft(loaded, args, rng)
-    print(json.dumps({"ttft": result["ttft"]}), file=sys.stderr)
-    result["shared_prefix_throughput"] = bench_shared_prefix(loaded, args, rng)
-    print(json.dumps({"throughput": result["shared_prefix_throughput"]}), file=sys.stderr)
-    result["zero_hit_overhead"] = bench_zero_hit_overhead(loaded, args, rng)
-    print(json.dumps({"overhead": result["zero_hit_overhead"]}), file=sys.stderr)
-    if not args.skip_hf:
+    parts = [("ttft", "ttft", bench_ttft),
+             ("throughput", "shared_prefix_throughput", bench_shared_prefix),
+             ("overhead", "zero_hit_overhead", bench_zero_hit_overhead)]
+    for part, key, bench in parts:
+        if args.only in (None, part):
+            result[key] = bench(loaded, args, rng)
+            print(json.dumps({key: result[key]}), file=sys.stderr)  # progress
+    if not args.skip_hf and args.only is None:
         result["vs_transformers"] = bench_vs_transformers(
             loaded, args, rng, result["shared_prefix_throughput"]["caching_on_tokens_per_s"])
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -120,7 +120,15 @@ class LLMEngine:
         Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
         by engines compared side by side; its weights are then used in their own dtype).
         ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
-        prefix-cache block hashes. Raises ValueError for an invalid option and
+        prefix-cache block hashes.
+
+        The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
+        ``kv_cache_memory_bytes`` (default 2 GiB: ~2,900 blocks of 16 tokens, ~46k tokens,
+        for SmolLM2-135M in float32), capped at ``max_num_seqs`` full-context sequences.
+        Each step computes at most ``max_num_batched_tokens`` tokens (default 2048, so a
+        2,000-token prompt prefills in one step) for at most ``max_num_seqs`` requests.
+
+        Raises ValueError for an invalid option and
         FileNotFoundError / ValueError (from the loader) for a missing or unsupported model.
         """
         model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
