@@ -14,10 +14,10 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
-    "prefixcache.events.cmd",
+    "prefixcache.entrypoints.events_cmd",
     "prefixcache.entrypoints.generate_cmd",
     "prefixcache.entrypoints.openai.serve_cmd",
-    "prefixcache.sim.replay_cmd",
+    "prefixcache.entrypoints.replay_cmd",
 ]
 
 

@@ -5,7 +5,8 @@
 * ``publisher`` — ``ZmqEventPublisher`` (PUB + ROUTER replay), ``NullEventPublisher``.
 * ``subscriber`` — ``EventSubscriber``, the consumer side (imports pyzmq).
 * ``index`` — ``EventIndex``, a router's view of the stored hashes built from events.
-* ``cmd`` — the ``prefixcache events`` subcommand.
+
+The ``prefixcache events`` command over them lives in ``prefixcache.entrypoints.events_cmd``.
 
 Importing this package loads msgspec but not pyzmq; the publisher imports pyzmq when one
 is constructed.

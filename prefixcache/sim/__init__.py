@@ -5,8 +5,9 @@ token ids and block hashes, ``prepared`` hashes a trace once for many replays, `
 drives :class:`~prefixcache.core.KVCacheManager` (sequential or timeline), ``belady`` is
 the offline-optimal free queue, ``sweep`` builds hit-rate-vs-capacity curves, ``reuse``
 measures how predictable a trace's reuse is (what bounds every online policy), ``report``
-prints and plots the curves, and ``replay_cmd`` is ``prefixcache replay``. Depends on
-``prefixcache.core`` only (plus tqdm and matplotlib inside the command).
+prints and plots the curves. The ``prefixcache replay`` command over them lives in
+``prefixcache.entrypoints.replay_cmd``. Depends on ``prefixcache.core`` only (plus tqdm
+and matplotlib, imported where used).
 """
 
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses

@@ -7,22 +7,22 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
+from prefixcache.entrypoints.arg_types import byte_size
 from prefixcache.entrypoints.openai.errors import from_validation_error
 from prefixcache.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from prefixcache.entrypoints.openai.serve_cmd import parse_bytes
 
 
 @pytest.mark.parametrize(("text", "value"), [("1000", 1000), ("64KiB", 65536), ("2GiB", 2 << 30),
                                               ("1.5G", 1_500_000_000), ("512mib", 512 << 20),
                                               ("10kb", 10_000)])
-def test_parse_bytes(text, value):
-    assert parse_bytes(text) == value
+def test_byte_size(text, value):
+    assert byte_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-5", "0", "1.2.3GiB", "5XB"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_bytes(text)
+        byte_size(text)
 
 
 def test_completion_prompt_shapes():

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
+
+from prefixcache.entrypoints.arg_types import byte_size, port, positive_int
 
 logger = logging.getLogger("prefixcache.serve")
 
@@ -38,42 +39,6 @@ examples:
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
 """
 
-_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes (argparse type)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    number, unit = match.groups()
-    value = int(float(number) * _SIZE_UNITS[(unit or "").lower()])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535: {text!r}")
-    return value
-
-
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -84,7 +49,7 @@ def register(subparsers) -> None:
                              f"(default: {DEFAULT_MODEL_NAME})")
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    net.add_argument("--port", type=_port, default=8000,
+    net.add_argument("--port", type=port, default=8000,
                      help="port to bind; 0 picks a free one (default: %(default)s)")
     net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="model name(s) clients use; the first is reported "
@@ -94,7 +59,7 @@ def register(subparsers) -> None:
     net.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="lines of 'key tenant': require a listed key and isolate each "
                           "tenant's prefix cache")
-    net.add_argument("--max-request-body-bytes", type=parse_bytes, default=16 * 1024 * 1024,
+    net.add_argument("--max-request-body-bytes", type=byte_size, default=16 * 1024 * 1024,
                      metavar="SIZE", help="larger bodies get 413 (default: 16MiB)")
     net.add_argument("--log-level", default="info",
                      choices=("debug", "info", "warning", "error"))
@@ -103,19 +68,19 @@ def register(subparsers) -> None:
                      help="uvicorn's own logs, access log included at info")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default="float32", choices=DTYPES)
-    eng.add_argument("--block-size", type=_positive_int, default=16,
+    eng.add_argument("--block-size", type=positive_int, default=16,
                      help="tokens per KV block (default: %(default)s)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=True, help="reuse cached KV blocks across requests")
     eng.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
     eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                     type=_positive_int, default=None,
+                     type=positive_int, default=None,
                      help="KV pool size in blocks (overrides --kv-cache-memory)")
     eng.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
-                     type=parse_bytes, default=None, metavar="SIZE",
+                     type=byte_size, default=None, metavar="SIZE",
                      help="memory for the KV pool, e.g. 2GiB (default: the engine's)")
-    eng.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                      default=True)
     eng.add_argument("--seed", type=int, default=None,

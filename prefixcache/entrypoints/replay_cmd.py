@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from prefixcache.entrypoints.arg_types import positive_float, positive_int
+
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_BLOCK_SIZE = 16
@@ -39,28 +41,8 @@ is next needed furthest in the future, deepest first on ties).
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _capacity_list(text: str) -> list[int]:
-    capacities = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    capacities = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
     if not capacities:
         raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,2000,4000")
     return sorted(set(capacities))
@@ -86,35 +68,35 @@ def register(subparsers) -> None:
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="trace file (JSON lines, Mooncake or token-id format)")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--num-blocks", type=_positive_int, metavar="N",
+    size.add_argument("--num-blocks", type=positive_int, metavar="N",
                       help="replay once with a cache of N blocks")
     size.add_argument("--sweep", type=_capacity_list, metavar="N1,N2,...",
                       help="replay at each capacity (blocks) and print the hit-rate curve, "
                            "with the infinite-cache and Belady references")
-    parser.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+    parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                         metavar="B", help="tokens per block (default %(default)s; must divide "
                                           "512 for Mooncake traces)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help="eviction policies: lru (default), unhashed-first, 2q; belady "
                              "(offline) is also accepted")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=_positive_int, default=1, metavar="C",
+    mode.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
                       help="sequential mode: live requests at a time (default 1)")
     mode.add_argument("--timeline", action="store_true",
                       help="admit requests at their timestamps, hold them while decoding")
-    parser.add_argument("--decode-tokens-per-s", type=_positive_float, default=None,
+    parser.add_argument("--decode-tokens-per-s", type=positive_float, default=None,
                         metavar="R", help="timeline mode: decode speed per request "
                                           "(default 50 tokens/s)")
     parser.add_argument("--no-decode-slots", action="store_true",
                         help="allocate prompt slots only, not output_length decode slots")
     parser.add_argument("--no-belady", action="store_true",
                         help="--sweep without the (slower) Belady reference")
-    parser.add_argument("--max-requests", type=_positive_int, metavar="N",
+    parser.add_argument("--max-requests", type=positive_int, metavar="N",
                         help="replay only the first N requests")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="with --sweep: draw the hit-rate curves to a PNG")
-    parser.add_argument("--kv-bytes-per-token", type=_positive_int,
+    parser.add_argument("--kv-bytes-per-token", type=positive_int,
                         default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
                         help="KV bytes per token, for GiB figures (default %(default)s: "
                              "Llama-3-8B in fp16)")
