@@ -214,3 +214,13 @@ def test_reset_prefix_cache_and_kv_events(make_engine, prompt):
     assert engine.reset_prefix_cache() is True
     engine.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=2))
     assert run_to_completion(engine)["b"].num_cached_tokens == 0
+
+
+def test_a_request_outgrowing_the_pool_ends_with_length(make_engine, prompt):
+    engine = make_engine(block_size=4, num_kv_blocks=4)  # 16 token slots, prompt of 10
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30))
+    output = run_to_completion(engine)["r"]
+    assert output.finish_reason == "length"
+    # Slots for 16 tokens: the 10 prompt tokens plus outputs, the last one never computed.
+    assert len(output.token_ids) == 16 - len(prompt) + 1
+    assert_all_blocks_free(engine)
