@@ -1,25 +1,33 @@
-"""``prefixcache generate``: run one prompt through the engine and print the text.
+"""``prefixcache generate``: run prompts through the engine and print the text.
 
-The text is streamed to stdout as it is generated; a one-line summary (tokens, cached
-tokens, time to first token) goes to stderr so that stdout stays just the text. Bad
-options or a model that cannot be loaded give a one-line error and exit code 2.
+The text is streamed to stdout as it is generated; a one-line summary per prompt (tokens,
+cached tokens, time to first token) goes to stderr so that stdout stays just the text.
+Several prompts run one after another on one engine, so later prompts show the prefix
+cache at work. Bad options or a model that cannot be loaded give a one-line error and
+exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
 EXIT_USAGE = 2
 
 _DESCRIPTION = """\
-Generate text for one prompt and stream it to stdout.
+Generate text for one or more prompts and stream it to stdout.
 
-A summary line (prompt tokens, cached tokens, generated tokens, time to first token)
-is printed to stderr. The default model is SmolLM2-135M-Instruct.
+After each prompt a summary line (prompt tokens, cached tokens, generated tokens, time to
+first token) is printed to stderr. Prompts run one after another on the same engine, so a
+prompt that shares a prefix with an earlier one (the chat template, a --system message)
+reuses its cached KV blocks: watch "cached" and "ttft". The default model is
+SmolLM2-135M-Instruct.
 
 examples:
   prefixcache generate "The capital of France is"
+  prefixcache generate --chat --system "You are a geography tutor. Answer in one sentence." \
+      "What is the capital of France?" "What is the capital of Japan?"
   prefixcache generate --chat "Write a haiku about caches." --temperature 0.7 --seed 1
   prefixcache generate --model ./my-llama-folder --max-tokens 64 "Once upon a time"
 """
@@ -28,11 +36,12 @@ examples:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
-        help="generate text for one prompt",
+        help="generate text for one or more prompts",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT",
+                        help="prompt text (with --chat: a user message); several run in turn")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message in the model's chat template")
     parser.add_argument("--system", default=None,
@@ -70,24 +79,44 @@ def run(args: argparse.Namespace) -> int:
     try:
         params.validate()
         engine = LLMEngine.from_options(args.model, dtype=args.dtype, max_num_seqs=1)
-        tokenizer = engine.tokenizer
-        if args.chat:
-            messages = [] if args.system is None else [{"role": "system", "content": args.system}]
-            messages.append({"role": "user", "content": args.prompt})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            prompt_token_ids = tokenizer.encode(args.prompt)
-        max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) fills the model's "
-                             f"context of {engine.max_model_len} tokens")
-        params.max_tokens = max_tokens
-        engine.add_request("generate-0", prompt_token_ids, params)
+        prompts_token_ids = [_encode(engine, args, prompt) for prompt in args.prompts]
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"prefixcache generate: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    for index, prompt_token_ids in enumerate(prompts_token_ids):
+        exit_code = _generate_one(engine, args, params, f"generate-{index}", prompt_token_ids)
+        if exit_code:
+            return exit_code
+    return 0
 
+
+def _encode(engine, args: argparse.Namespace, prompt: str) -> list[int]:
+    """The prompt's token ids (through the chat template with --chat). ValueError when
+    it leaves no room in the model's context for even one generated token."""
+    tokenizer = engine.tokenizer
+    if args.chat:
+        messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+        messages.append({"role": "user", "content": prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_token_ids = tokenizer.encode(prompt)
+    if len(prompt_token_ids) >= engine.max_model_len:
+        raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) fills the model's "
+                         f"context of {engine.max_model_len} tokens")
+    return prompt_token_ids
+
+
+def _generate_one(engine, args: argparse.Namespace, params, request_id: str,
+                  prompt_token_ids: list[int]) -> int:
+    """Run one request to completion, printing its text and summary; the exit code."""
+    params = copy.copy(params)
+    params.max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
+    try:
+        engine.add_request(request_id, prompt_token_ids, params)
+    except ValueError as error:
+        print(f"prefixcache generate: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -116,6 +116,21 @@ def test_generate_command_streams_text(tiny_model_dir, tiny_model, capsys):
     assert "5 generated" in captured.err and "finish_reason=length" in captured.err
 
 
+def test_generate_command_runs_prompts_in_turn_and_later_ones_hit_the_cache(
+        tiny_model_dir, capsys):
+    shared = "alpha beta gamma delta " * 8  # well past one 16-token block
+    code = main(["generate", shared + "one", shared + "two", "--model", str(tiny_model_dir),
+                 "--max-tokens", "3", "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert code == 0
+    summaries = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert len(summaries) == 2
+    assert " 0 cached" in summaries[0]
+    cached = int(summaries[1].split(" prompt tokens, ")[1].split(" cached")[0])
+    assert cached >= 16 and cached % 16 == 0
+    assert len(captured.out.splitlines()) == 2
+
+
 def test_generate_command_bad_model_has_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "prefixcache", "generate", "hi", "--model",
