@@ -179,19 +179,29 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks from the head of the free queue, each with ref 1,
-        evicting any cached content they held. Raises ValueError if too few are free."""
+        evicting any cached content they held. Raises ValueError if too few are free.
+
+        With events on, the hashes this evicts go out as one ``BlockRemoved``: a batch
+        allocation evicts dozens of blocks, and one event per block cost more than the
+        allocation itself."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
+            removed_hashes: list[BlockHash] | None = [] if self.enable_events else None
             for block in blocks:
                 if block.block_hash is not None:
-                    self._evict(block)
+                    self._evict(block, removed_hashes)
                 block.ref_cnt = 1
+            if removed_hashes:
+                self._events.append(BlockRemoved(block_hashes=removed_hashes,
+                                                 medium=self.medium))
         else:
             for block in blocks:
                 block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, removed_hashes: list[BlockHash] | None) -> None:
+        """Uncache ``block``; its hash joins ``removed_hashes`` (when given) if no other
+        block still holds it."""
         block_hash = block.block_hash
         cache = self.cached_block_hash_to_block
         cache.pop(block_hash, block.block_id)
@@ -199,8 +209,8 @@ class BlockPool:
         self.num_evictions += 1
         if self.block_contents is not None:
             self.block_contents[block.block_id] = None
-        if self.enable_events and block_hash not in cache:
-            self._events.append(BlockRemoved(block_hashes=[block_hash], medium=self.medium))
+        if removed_hashes is not None and block_hash not in cache:
+            removed_hashes.append(block_hash)
 
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int,
