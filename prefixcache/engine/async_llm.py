@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.engine.output_stream import EngineDeadError, OutputStream
 from prefixcache.engine.outputs import RequestMetrics, RequestOutput
 from prefixcache.engine.stats import EngineStats
 
@@ -52,10 +53,6 @@ logger = logging.getLogger(__name__)
 # How long an idle engine loop sleeps on the command queue before re-checking its state.
 # Commands wake it at once; this only bounds how stale an idle loop's view can get.
 _IDLE_WAIT_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (the engine raised, or AsyncLLM was shut down)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,64 +93,6 @@ class _Reset:
 @dataclass(slots=True)
 class _Shutdown:
     pass
-
-
-class OutputStream:
-    """Outputs of a group of engine requests, in the order the engine produced them.
-
-    Iterate with ``async for``; iteration ends when every request of the group finished.
-    Use as an async context manager (or call ``aclose``) so leaving early aborts what is
-    still running. Raises EngineDeadError if the engine dies meanwhile.
-    """
-
-    def __init__(self, llm: AsyncLLM, request_ids: Sequence[str]) -> None:
-        self._llm = llm
-        self.request_ids = list(request_ids)
-        self._unfinished = set(self.request_ids)
-        self._queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
-        self._pending: list[RequestOutput] = []
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._pending:
-            if not self._unfinished:
-                raise StopAsyncIteration
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self._unfinished.clear()
-                raise item
-            self._pending = item
-        output = self._pending.pop(0)
-        if output.finished:
-            self._unfinished.discard(output.request_id)
-        return output
-
-    async def aclose(self) -> None:
-        """Abort every request of the group that has not finished. Idempotent."""
-        self.abort()
-
-    def abort(self) -> None:
-        """Synchronous ``aclose`` (safe in ``finally`` blocks of cancelled tasks)."""
-        if self._unfinished:
-            unfinished = list(self._unfinished)
-            self._unfinished.clear()
-            self._llm.abort(unfinished)
-
-    async def __aenter__(self) -> OutputStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.abort()
-
-    # Called on the stream's event loop by the engine loop (call_soon_threadsafe).
-    def _put(self, item: list[RequestOutput] | BaseException) -> None:
-        self._queue.put_nowait(item)
 
 
 @dataclass(slots=True)
@@ -241,7 +180,7 @@ class AsyncLLM:
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
-        stream = OutputStream(self, [r.request_id for r in requests])
+        stream = OutputStream(self.abort, [r.request_id for r in requests])
         done = loop.create_future()
         self._put_command(_Add(list(requests), stream, loop, done))
         try:

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from prefixcache.engine.async_llm import AsyncLLM, EngineDeadError, NewRequest
+from prefixcache.engine.async_llm import AsyncLLM, NewRequest
+from prefixcache.engine.output_stream import EngineDeadError
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import FakeEngine, RecordingPublisher
 

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixcache.engine.async_llm import AsyncLLM, EngineDeadError, NewRequest, OutputStream
+from prefixcache.engine.async_llm import AsyncLLM, NewRequest
+from prefixcache.engine.output_stream import EngineDeadError, OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body
