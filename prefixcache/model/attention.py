@@ -9,6 +9,12 @@ only how many keys were there before differs.
 Grouped-query attention never copies keys per query head: the `num_queries_per_kv` query
 heads sharing a KV head form a group attending to that head's keys (an expanded view, or
 extra query rows of it for decodes).
+
+Decodes whose block tables start with the same blocks (a prefix-cache hit on a common prompt)
+use cascade attention: the shared keys are read once per group and attended by all members'
+queries in one matmul, each decode attends to its own remaining keys, and the two partial
+results are merged by their log-sum-exp. The metadata says which decodes share what; without
+shared prefixes the decodes take one padded batch over all of their keys.
 """
 
 from __future__ import annotations
@@ -85,21 +91,106 @@ class PagedAttention(nn.Module):
 
         if metadata.decode_token_indices is not None:
             indices = metadata.decode_token_indices
-            num_decodes = indices.shape[0]
-            # [D, kv_heads, group, d]: the group's query heads are the query rows.
-            decode_query = query[indices].view(num_decodes, kv_heads, group, head_dim)
-            key_slots = metadata.decode_key_slots  # [D, max_len]
-            gathered_shape = (num_decodes, key_slots.shape[1], kv_heads, head_dim)
-            # [D * max_len, kv_heads, d] -> [D, max_len, kv_heads, d] -> [D, kv_heads, max_len, d]
-            decode_key = key_slots_view.index_select(0, key_slots.view(-1))
-            decode_key = decode_key.view(gathered_shape).transpose(1, 2)
-            decode_value = value_slots_view.index_select(0, key_slots.view(-1))
-            decode_value = decode_value.view(gathered_shape).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                decode_query,
-                decode_key.to(query.dtype),
-                decode_value.to(query.dtype),
-                attn_mask=metadata.decode_key_mask,
-            )  # [D, kv_heads, group, d]
-            output.index_copy_(0, indices, attended)
+            # [D, kv_heads * group, d] -> [D, kv_heads, group, d]: the group's query heads are
+            # the query rows.
+            decode_query = query.index_select(0, indices).view(-1, kv_heads, group, head_dim)
+            if metadata.decode_shared_prefixes:
+                attended = self._cascade_decode(
+                    decode_query, key_slots_view, value_slots_view, metadata
+                )
+            else:
+                attended = F.scaled_dot_product_attention(
+                    decode_query,
+                    _gather_padded(key_slots_view, metadata.decode_key_slots, query.dtype),
+                    _gather_padded(value_slots_view, metadata.decode_key_slots, query.dtype),
+                    attn_mask=metadata.decode_key_mask,
+                )
+            output.index_copy_(0, indices, attended.to(output.dtype))  # [D, kv_heads, group, d]
         return output.view(num_tokens, self.num_heads * head_dim)
+
+    def _cascade_decode(
+        self,
+        decode_query: torch.Tensor,
+        key_slots_view: torch.Tensor,
+        value_slots_view: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Decode attention split at each group's shared prefix; [D, kv_heads, group, d] float32.
+
+        Softmax over a union of key sets is the log-sum-exp-weighted mix of the softmaxes over
+        its parts, so each decode attends (a) to its own suffix (`decode_key_slots`), in one
+        padded batch, and (b) if in a group, to the group's shared keys - read once and
+        attended by all members' query heads in one matmul - and the two are merged. Computed
+        in float32 so that the merge adds no rounding of its own in lower-precision models.
+        """
+        kv_heads, group, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
+        # Scaling the queries (not the scores) is the cheaper way to SDPA's default 1/sqrt(d).
+        scaled_query = decode_query.float() * head_dim**-0.5  # [D, kv_heads, group, d]
+        suffix_key = _gather_padded(key_slots_view, metadata.decode_key_slots, torch.float32)
+        suffix_value = _gather_padded(value_slots_view, metadata.decode_key_slots, torch.float32)
+        scores = scaled_query @ suffix_key.transpose(2, 3)  # [D, kv_heads, group, max_suffix]
+        # Every row keeps at least its current token's key, so no row is all -inf.
+        scores.masked_fill_(~metadata.decode_key_mask, float("-inf"))
+        attended, lse = _attend_with_lse(scores, suffix_value)  # [D, kv, g, d], [D, kv, g]
+
+        for prefix in metadata.decode_shared_prefixes:
+            rows = prefix.decode_rows
+            num_members = rows.shape[0]
+            # [n, kv_heads, group, d] -> [kv_heads, n, group, d] -> [kv_heads, n * group, d]:
+            # every member's query heads of one KV head become rows of one matmul.
+            prefix_query = scaled_query.index_select(0, rows).transpose(0, 1)
+            prefix_query = prefix_query.reshape(kv_heads, num_members * group, head_dim)
+            # [num_shared, kv_heads, d] -> [kv_heads, num_shared, d]
+            prefix_key = key_slots_view.index_select(0, prefix.key_slots).float().transpose(0, 1)
+            prefix_value = value_slots_view.index_select(0, prefix.key_slots).float()
+            prefix_value = prefix_value.transpose(0, 1)
+            prefix_scores = prefix_query @ prefix_key.transpose(1, 2)  # [kv, n * group, shared]
+            prefix_attended, prefix_lse = _attend_with_lse(prefix_scores, prefix_value)
+            # [kv_heads, n * group, d] -> [kv_heads, n, group, d] -> [n, kv_heads, group, d]
+            prefix_attended = prefix_attended.view(kv_heads, num_members, group, head_dim)
+            prefix_attended = prefix_attended.transpose(0, 1)
+            # [kv_heads, n * group] -> [kv_heads, n, group] -> [n, kv_heads, group]
+            prefix_lse = prefix_lse.view(kv_heads, num_members, group).transpose(0, 1)
+            merged = _merge_partial_attention(
+                attended.index_select(0, rows),
+                lse.index_select(0, rows),
+                prefix_attended,
+                prefix_lse,
+            )
+            attended.index_copy_(0, rows, merged)
+        return attended
+
+
+def _gather_padded(
+    slots_view: torch.Tensor, key_slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Keys (or values) at `key_slots` [D, max_len] of `slots_view` [num_slots, kv_heads, d],
+    as [D, kv_heads, max_len, d] in `dtype` (a transposed view of the gathered rows)."""
+    num_rows, max_len = key_slots.shape
+    # index_select is far cheaper than advanced indexing.
+    gathered = slots_view.index_select(0, key_slots.view(-1))  # [D * max_len, kv_heads, d]
+    gathered = gathered.view(num_rows, max_len, *slots_view.shape[1:])  # [D, max_len, kv, d]
+    return gathered.to(dtype).transpose(1, 2)
+
+
+def _attend_with_lse(
+    scores: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of `scores` [..., q, k] applied to `value` [..., k, d]: ([..., q, d], the
+    log-sum-exp of each score row [..., q]), the pair partial results are merged by."""
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [..., q, 1]
+    probs = torch.exp(scores - lse)
+    return probs @ value, lse.squeeze(-1)
+
+
+def _merge_partial_attention(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's result [..., d] and log-sum-exp
+    [...]: each result weighted by its share of the total softmax mass. Subtracting the
+    larger log-sum-exp keeps the exponentials in range."""
+    max_lse = torch.maximum(first_lse, second_lse)
+    first_weight = torch.exp(first_lse - max_lse).unsqueeze(-1)  # [..., 1]
+    second_weight = torch.exp(second_lse - max_lse).unsqueeze(-1)
+    merged = first * first_weight + second * second_weight
+    return merged / (first_weight + second_weight)

@@ -8,6 +8,8 @@ sequence after sequence ("packed"): sequence i owns rows `[token_start, token_en
 Vocabulary: a *slot* is one token's row in a layer's paged KV tensor,
 `slot = block_id * block_size + offset_in_block`; a sequence's *context* is the tokens already
 in the KV cache before this step; its *length* is context + the tokens computed this step.
+A *shared prefix* is a run of leading blocks that several decode sequences' block tables hold
+in common (the prefix cache hands the same block ids to requests with the same prompt start).
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ class ChunkAttention:
 
 
 @dataclass(slots=True)
+class SharedPrefixGroup:
+    """Decode sequences whose keys at positions 0..num_shared_tokens-1 are the same slots.
+
+    - `decode_rows` [num_members] int64, num_members >= 2: the group's rows of the decode
+      batch (indices into `AttentionMetadata.decode_token_indices`), ascending.
+    - `key_slots` [num_shared_tokens] int64: the shared slots, positions 0.. in order. Whole
+      blocks only, and strictly before every member's current position, so each member still
+      has at least its current token's key outside the prefix (its suffix is never empty).
+
+    Attention reads these keys once for all members instead of once per member.
+    """
+
+    decode_rows: torch.Tensor
+    key_slots: torch.Tensor
+
+    @property
+    def num_shared_tokens(self) -> int:
+        return self.key_slots.shape[0]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step inputs of paged attention, built by the model runner.
 
@@ -43,9 +66,13 @@ class AttentionMetadata:
     - `chunks`: sequences with more than one query token, attended one at a time.
     - `decode_token_indices` [num_decodes] int64: rows of single-token sequences, which are
       attended together as one padded batch (`None` when there are none).
-    - `decode_key_slots` [num_decodes, max_seq_len] int64: slots of each such sequence's keys,
-      padded with slot 0 past its length.
-    - `decode_key_mask` [num_decodes, 1, 1, max_seq_len] bool: True for real keys.
+    - `decode_shared_prefixes`: disjoint groups of decodes with a common shared prefix
+      (cascade attention); empty when none is worth it. A decode in no group attends to all of
+      its keys through `decode_key_slots`.
+    - `decode_key_slots` [num_decodes, max_suffix_len] int64: slots of each decode's keys
+      after its group's shared prefix (all of its keys when in no group), in position order,
+      padded with slot 0.
+    - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys.
     """
 
     positions: torch.Tensor
@@ -54,6 +81,7 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor | None = None
     decode_key_slots: torch.Tensor | None = None
     decode_key_mask: torch.Tensor | None = None
+    decode_shared_prefixes: tuple[SharedPrefixGroup, ...] = ()
 
     @property
     def num_tokens(self) -> int:
