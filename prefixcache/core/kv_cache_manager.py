@@ -193,6 +193,9 @@ class KVCacheManager:
         num_required_blocks = -(-num_slots_needed // block_size)
         num_new_blocks = num_required_blocks - num_existing_blocks - len(new_computed_blocks)
 
+        # Hash the request (if new to us) before the check: hashing may raise on bad tokens.
+        if self.enable_caching and request.block_hasher is None:
+            request.attach_block_hasher(self.block_hasher)
         pool = self.block_pool
         if num_new_blocks > 0:
             num_free_hit_blocks = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -212,8 +215,6 @@ class KVCacheManager:
             req_blocks.extend(new_blocks)
 
         if self.enable_caching:
-            if request.block_hasher is None:
-                request.attach_block_hasher(self.block_hasher)
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             num_full_blocks = num_tokens_to_cache // block_size
             num_cached = self.num_cached_blocks[request_id]

@@ -124,8 +124,9 @@ class Request:
     def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Bind the hasher that keeps ``block_hashes`` current; idempotent for the same one.
 
-        A request carries one hash chain, so binding a hasher of another configuration
-        (a second manager with a different algorithm, seed or block size) is an error.
+        A request carries one hash chain, so binding a second hasher (another manager's,
+        even one of the same configuration) is a ValueError; so are tokens that cannot be
+        hashed, and then the request stays unbound.
         """
         if self.block_hasher is block_hasher:
             return
@@ -133,8 +134,10 @@ class Request:
             raise ValueError(
                 f"request {self.request_id!r} is already hashed by another KV cache manager"
             )
-        self.block_hasher = block_hasher
+        # Hash before binding: tokens that cannot be hashed raise here and leave the request
+        # unbound, instead of bound to a hasher with its hashes missing.
         block_hasher.extend_request(self)
+        self.block_hasher = block_hasher
         self._next_hash_at = (len(self.block_hashes) + 1) * block_hasher.block_size
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:

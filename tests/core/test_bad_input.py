@@ -135,3 +135,22 @@ def test_request_bound_to_another_manager_is_rejected():
     a.get_computed_blocks(r)
     with pytest.raises(ValueError):
         b.get_computed_blocks(r)
+
+
+@pytest.mark.parametrize("bad_token", [1.5, "x", 2**64])
+def test_unhashable_tokens_fail_before_anything_changes(bad_token):
+    mgr = make_manager(num_blocks=10, block_size=4)
+    held = Request("held", seq(0, 6))
+    schedule_prefill(mgr, held)
+    before = snapshot(mgr, ["held", "bad"])
+    bad = Request("bad", [1, 2, bad_token, 4, 5, 6])
+    with pytest.raises(ValueError, match="integers"):
+        mgr.get_computed_blocks(bad)
+    assert bad.block_hasher is None and bad.block_hashes == []
+    # allocating it anyway fails the same way, before any block is taken
+    with pytest.raises(ValueError, match="integers"):
+        mgr.allocate_slots(bad, bad.num_tokens)
+    assert snapshot(mgr, ["held", "bad"]) == before
+    assert mgr.make_prefix_cache_stats().requests == 1  # only "held" was looked up
+    assert schedule_prefill(mgr, Request("good", seq(0, 6))) == (4, [2])
+
