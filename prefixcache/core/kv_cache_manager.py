@@ -181,11 +181,22 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
-        if new_computed_blocks is None:
-            new_computed_blocks = []
         block_size = self.block_size
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
+        if new_computed_blocks:
+            if req_blocks:
+                raise ValueError(f"request {request_id!r} already holds blocks: a cache hit "
+                                 "can only be added before its first allocation")
+            if num_new_computed_tokens != len(new_computed_blocks) * block_size:
+                raise ValueError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                    f"{len(new_computed_blocks)} hit blocks of {block_size} tokens")
+        elif num_new_computed_tokens:
+            raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} without the "
+                             "hit blocks (new_computed_blocks) that hold them")
+        else:
+            new_computed_blocks = ()
         num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens

@@ -154,3 +154,31 @@ def test_unhashable_tokens_fail_before_anything_changes(bad_token):
     assert mgr.make_prefix_cache_stats().requests == 1  # only "held" was looked up
     assert schedule_prefill(mgr, Request("good", seq(0, 6))) == (4, [2])
 
+
+def test_hit_blocks_for_a_request_that_already_holds_blocks_are_refused():
+    mgr = make_manager(num_blocks=10, block_size=4)
+    first = Request("first", seq(0, 9))
+    schedule_prefill(mgr, first)
+    again = Request("again", seq(0, 9))
+    schedule_prefill(mgr, again)
+    blocks, num_hit_tokens = mgr.get_computed_blocks(again)
+    assert num_hit_tokens == 8
+    before = snapshot(mgr, ["first", "again"])
+    with pytest.raises(ValueError, match="already holds blocks"):
+        mgr.allocate_slots(again, 0, num_hit_tokens, blocks)
+    assert snapshot(mgr, ["first", "again"]) == before
+    assert mgr.get_block_ids("again") == [0, 1, 3]
+
+
+def test_hit_token_count_must_match_the_hit_blocks():
+    mgr = make_manager(num_blocks=10, block_size=4)
+    schedule_prefill(mgr, Request("first", seq(0, 9)))
+    r = Request("r", seq(0, 9))
+    blocks, num_hit_tokens = mgr.get_computed_blocks(r)
+    before = snapshot(mgr, ["first", "r"])
+    for tokens, hit_blocks in ((0, blocks), (num_hit_tokens - 1, blocks), (4, blocks[:2]),
+                               (num_hit_tokens, None)):
+        with pytest.raises(ValueError, match="num_new_computed_tokens"):
+            mgr.allocate_slots(r, 1, tokens, hit_blocks)
+        assert snapshot(mgr, ["first", "r"]) == before
+    assert mgr.allocate_slots(r, 1, num_hit_tokens, blocks) is not None
