@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from prefixcache.entrypoints.arg_types import positive_float, positive_int
@@ -111,6 +112,20 @@ def _error(message: str) -> int:
     return 1
 
 
+def _why_not_writable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None. Checked before a replay that may take
+    minutes, so that a mistyped output path fails at once; leaves no file behind."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    if not existed:
+        os.unlink(path)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -125,6 +140,13 @@ def run(args: argparse.Namespace) -> int:
         return _error("--plot needs --sweep (a curve over several capacities)")
     if args.decode_tokens_per_s is not None and not args.timeline:
         return _error("--decode-tokens-per-s applies to --timeline only")
+    if args.sweep and args.no_belady and all(p == BELADY for p in args.policy):
+        return _error("--no-belady leaves this sweep nothing to replay: name an online "
+                      "--policy too")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        reason = path and _why_not_writable(path)
+        if reason:
+            return _error(f"{flag}: {reason}")
     try:
         trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
                            max_requests=args.max_requests)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -122,3 +123,46 @@ def test_help_explains_formats_and_modes(capsys):
     for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
                    "--kv-bytes-per-token", "--skip-bad-lines", "rejected"):
         assert phrase in text
+
+
+def test_unwritable_outputs_fail_before_the_replay(small_trace, tmp_path, capsys):
+    existing = tmp_path / "old.json"
+    existing.write_text("keep me")
+    cases = [
+        (["--json", str(tmp_path)], "--json: cannot write", "Is a directory"),
+        (["--json", str(tmp_path / "no" / "x.json")], "--json: cannot write",
+         "No such file"),
+        (["--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write", "No such file"),
+    ]
+    for extra, message, reason in cases:
+        assert main(["replay", str(small_trace), "--sweep", "100,200", "--block-size", "512",
+                     "--quiet", *extra]) == 1
+        captured = capsys.readouterr()
+        assert message in captured.err and reason in captured.err
+        assert captured.out == ""  # failed before replaying anything
+    # a probe that passes leaves no new file behind and an existing one untouched
+    fresh = tmp_path / "fresh.json"
+    for good in (existing, fresh):
+        assert main(["replay", str(small_trace), "--sweep", "100", "--block-size", "512",
+                     "--quiet", "--json", str(good), "--plot", str(tmp_path / "no" / "x.png"),
+                     ]) == 1
+    assert existing.read_text() == "keep me" and not fresh.exists()
+
+
+def test_sweep_with_nothing_to_replay_is_an_error(small_trace, capsys):
+    assert main(["replay", str(small_trace), "--sweep", "100", "--policy", "belady",
+                 "--no-belady", "--quiet"]) == 1
+    assert "nothing to replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
+                                             (False, False, False)])
+def test_progress_bar_only_on_a_terminal_and_not_with_quiet(small_trace, capsys, monkeypatch,
+                                                            tty, quiet, shown):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    argv = ["replay", str(small_trace), "--num-blocks", "2000", "--block-size", "512"]
+    assert main(argv + (["--quiet"] if quiet else [])) == 0
+    err = capsys.readouterr().err
+    assert ("hashing" in err and "replaying" in err and "200/200" in err) == shown
+    if not shown:
+        assert err == ""
