@@ -250,9 +250,6 @@ class KVCacheManager:
         """The request's block table as block ids ([] for an unknown request)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return list(self.req_to_blocks.get(request_id, ()))
-
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.free_block_queue.num_free_blocks

@@ -77,10 +77,6 @@ class SchedulerOutput:
     finished_requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: int = 0
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     """Continuous batching over one :class:`KVCacheManager`."""
