@@ -25,8 +25,9 @@ Four algorithms are selectable by name:
 Seed resolution (:func:`resolve_hash_seed`): an explicit ``hash_seed`` wins, else the
 ``PYTHONHASHSEED`` environment variable, else for the sha256 algorithms the fixed string
 ``"vllm-none-hash"`` (so routers built for vLLM compute the same keys), and for the xxhash
-algorithms a random per-process seed with a warning: a predictable seed would let an
-attacker precompute collisions for a non-cryptographic hash.
+algorithms a fresh random seed at each resolution — so per manager, as in vLLM — with a
+warning: a predictable seed would let an attacker precompute collisions for a
+non-cryptographic hash.
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ def resolve_hash_seed(hash_algo: str, hash_seed: str | None = None) -> str:
         return DEFAULT_HASH_SEED
     warnings.warn(
         f"prefix-caching hash algorithm {hash_algo!r} is not cryptographic and no hash_seed or "
-        "PYTHONHASHSEED was given: using a random per-process seed, so block hashes differ "
-        "between processes. Set hash_seed for reproducible hashes across replicas.",
+        "PYTHONHASHSEED was given: using a random seed, so block hashes differ between "
+        "managers and processes. Set hash_seed for reproducible hashes across replicas.",
         stacklevel=3,
     )
     return secrets.token_hex(16)

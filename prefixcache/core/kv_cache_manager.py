@@ -176,6 +176,10 @@ class KVCacheManager:
         extra slots that are not cached yet. Returns the newly allocated blocks (possibly
         empty), or None — with nothing changed — when the free blocks cannot cover them
         (hit blocks that are free count against capacity, since touching takes them).
+
+        Raises ValueError, with nothing changed, for a negative count, hit blocks for a
+        request that already holds blocks, ``num_new_computed_tokens`` other than the hit
+        blocks' tokens, or prompt tokens that cannot be hashed.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")

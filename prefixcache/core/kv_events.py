@@ -40,7 +40,9 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """These hashes are no longer cached (evicted). One entry per evicted block."""
+    """These hashes are no longer cached: each was evicted from the last block holding it.
+    Evicting one of several duplicate blocks of a hash reports nothing; one event covers
+    every hash that one allocation evicted."""
 
     block_hashes: list[bytes]
     medium: str | None = DEFAULT_MEDIUM
