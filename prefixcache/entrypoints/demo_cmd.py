@@ -37,11 +37,22 @@ def _show(manager: KVCacheManager, time_step: int, what: str, requests: list[Req
     print(f"  free queue (head first): {' - '.join(map(str, free)) or '(empty)'}")
 
 
-def _admit(manager: KVCacheManager, request: Request) -> int:
+def _admit(manager: KVCacheManager, request: Request) -> tuple[int, list[int]]:
+    """Look up and allocate ``request``'s prompt: its hit tokens, and the ids of the cached
+    blocks its new blocks evicted."""
+    cached_before = {b.block_id for b in manager.block_pool.blocks if b.block_hash is not None}
     blocks, num_hit_tokens = manager.get_computed_blocks(request)
-    manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, blocks)
+    new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens,
+                                        num_hit_tokens, blocks)
     request.num_computed_tokens = request.num_tokens
-    return num_hit_tokens
+    return num_hit_tokens, [b.block_id for b in new_blocks if b.block_id in cached_before]
+
+
+def _evicted(block_ids: list[int]) -> str:
+    if not block_ids:
+        return "evicting nothing cached"
+    noun = "block" if len(block_ids) == 1 else "blocks"
+    return f"evicting cached {noun} {', '.join(map(str, block_ids))}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     r2 = Request("request2", shared[:12] + list(range(500, 517)))
     everyone = [r0, r1, r2]
 
-    _admit(manager, r0)
+    _admit(manager, r0)  # an empty cache: nothing to hit, nothing to evict
     _show(manager, 1, "request0 arrives with 15 prompt tokens: 3 full blocks cached, "
           "the 4th holds 3 tokens", everyone)
     for token in (1, 2):  # two decode steps: fill block 3, then need block 4
@@ -61,15 +72,17 @@ def run(args: argparse.Namespace) -> int:
         r0.num_computed_tokens += 1
     _show(manager, 2, "request0 decodes: block 3 becomes full and cached, block 4 allocated",
           everyone)
-    hits = _admit(manager, r1)
+    hits, _ = _admit(manager, r1)
     _show(manager, 3, f"request1 (14 tokens, first 10 shared) hits {hits} tokens", everyone)
     manager.free(r0)
-    _show(manager, 4, "request0 finishes: its free blocks join the tail in reverse order",
+    placed = "" if args.policy == "lru" else f", placed by the {args.policy} policy"
+    joined = "join the tail" if args.policy == "lru" else "are released"
+    _show(manager, 4, f"request0 finishes: its free blocks {joined} in reverse order{placed}",
           everyone)
     manager.free(r1)
     _show(manager, 5, "request1 finishes", everyone)
-    hits = _admit(manager, r2)
+    hits, evicted = _admit(manager, r2)
     _show(manager, 6, f"request2 (29 tokens, first 12 shared) hits {hits} tokens; the rest "
-          "comes from the queue head, evicting cached block 3", everyone)
+          f"comes from the queue head, {_evicted(evicted)}", everyone)
     manager.free(r2)
     return 0
