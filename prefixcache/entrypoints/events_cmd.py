@@ -11,6 +11,8 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+from prefixcache.entrypoints.arg_types import positive_float, positive_int
+
 DESCRIPTION = """\
 Subscribe to a prefixcache (or vLLM) KV-cache event stream and print each batch.
 
@@ -48,9 +50,9 @@ def register(subparsers) -> None:
                              "(needs --replay-endpoint)")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object per batch instead of readable text")
-    parser.add_argument("--count", type=int, default=None, metavar="N",
+    parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="exit after printing N batches")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                         help="exit with status 1 if no batch arrives for this long")
     parser.add_argument("--bind", action="store_true",
                         help="bind ENDPOINT instead of connecting (when the engine connects)")
@@ -65,16 +67,19 @@ def run(args: argparse.Namespace) -> int:
     if args.from_seq is not None and args.from_seq < 0:
         print("prefixcache events: --from-seq must be >= 0", file=sys.stderr)
         return 2
-    if args.count is not None and args.count < 1:
-        print("prefixcache events: --count must be >= 1", file=sys.stderr)
-        return 2
+
+    import zmq
 
     from prefixcache.events.subscriber import EventSubscriber
 
     out = sys.stdout
     num_printed = 0
-    subscriber = EventSubscriber(args.endpoint, topic=args.topic,
-                                 replay_endpoint=args.replay_endpoint, bind=args.bind)
+    try:
+        subscriber = EventSubscriber(args.endpoint, topic=args.topic,
+                                     replay_endpoint=args.replay_endpoint, bind=args.bind)
+    except zmq.ZMQError as exc:  # a malformed address, or --bind on a taken port
+        print(f"prefixcache events: cannot open the endpoint: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.from_seq is not None:
             try:

@@ -35,7 +35,8 @@ class EventSubscriber:
         topic: only messages whose topic starts with this are received ("" = all).
         replay_endpoint: the publisher's ROUTER address, or None.
 
-    Not thread-safe (ZMQ sockets); use from one thread. Close it, or use ``with``.
+    A malformed address raises ``zmq.ZMQError`` from the constructor (nothing is left
+    open). Not thread-safe (ZMQ sockets); use from one thread. Close it, or use ``with``.
     """
 
     def __init__(
@@ -48,14 +49,20 @@ class EventSubscriber:
     ) -> None:
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        if bind:
-            self._sub.bind(endpoint)
-        else:
-            self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
         self._replay: zmq.Socket | None = None
+        try:
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            if bind:
+                self._sub.bind(endpoint)
+            else:
+                self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._connect_replay()  # a bad address fails here, not at the first gap
+        except BaseException:
+            self.close()
+            raise
         self.last_seq: int | None = None
         self.num_missed_batches = 0
         self.num_malformed_messages = 0
@@ -125,11 +132,7 @@ class EventSubscriber:
             raise ValueError("this subscriber has no replay endpoint")
         if from_seq < 0:
             raise ValueError("from_seq must be >= 0")
-        if self._replay is None:
-            self._replay = self._context.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(self._replay_endpoint)
-        replay = self._replay
+        replay = self._replay if self._replay is not None else self._connect_replay()
         # The empty frame is the delimiter a REQ socket would add; ROUTER expects it.
         replay.send_multipart((b"", from_seq.to_bytes(8, "big")))
         batches: list[ReceivedBatch] = []
@@ -150,6 +153,12 @@ class EventSubscriber:
                 break
             batches.append(ReceivedBatch(seq, decode_batch(frames[2]), is_replay=True))
         return batches
+
+    def _connect_replay(self) -> zmq.Socket:
+        self._replay = self._context.socket(zmq.DEALER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.connect(self._replay_endpoint)
+        return self._replay
 
     def catch_up(self, from_seq: int, timeout_s: float = 2.0) -> list[ReceivedBatch]:
         """``replay(from_seq)``, then continue ``receive`` right after what it returned.

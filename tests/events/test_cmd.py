@@ -119,7 +119,15 @@ def test_timeout_without_batches_exits_1(capsys):
 def test_argument_errors(capsys):
     assert main(["events", "tcp://127.0.0.1:1", "--from-seq", "0"]) == 2
     assert "--from-seq needs --replay-endpoint" in capsys.readouterr().err
-    assert main(["events", "tcp://127.0.0.1:1", "--count", "0"]) == 2
+    for flag in (["--count", "0"], ["--timeout", "0"], ["--timeout", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["events", "tcp://127.0.0.1:1", *flag])
+        assert exit_info.value.code == 2
+    capsys.readouterr()
+    for argv in (["bogus"], ["tcp://127.0.0.1:1", "--replay-endpoint", "nowhere"]):
+        assert main(["events", *argv, "--timeout", "0.2"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot open the endpoint" in err and "Traceback" not in err
 
 
 def test_help_explains_the_command(capsys):
