@@ -139,10 +139,12 @@ class AsyncLLM:
     @classmethod
     def from_options(cls, *, kv_events_endpoint: str | None = None,
                      kv_events_replay_endpoint: str | None = None,
-                     kv_events_topic: str = "", **engine_options: Any) -> AsyncLLM:
+                     kv_events_topic: str = "", kv_events_block_hash_format: str = "int64",
+                     **engine_options: Any) -> AsyncLLM:
         """Build the engine (``LLMEngine.from_options(**engine_options)``) and, when
         ``kv_events_endpoint`` is set, a ZMQ KV event publisher bound to it (events are
-        then switched on in the engine)."""
+        then switched on in the engine). A bad endpoint raises ``zmq.ZMQError`` before
+        the model loads."""
         from prefixcache.engine.llm_engine import LLMEngine
         from prefixcache.events.publisher import make_event_publisher
 
@@ -150,7 +152,8 @@ class AsyncLLM:
         if kv_events_endpoint is not None:
             publisher = make_event_publisher(kv_events_endpoint,
                                              replay_endpoint=kv_events_replay_endpoint,
-                                             topic=kv_events_topic)
+                                             topic=kv_events_topic,
+                                             block_hash_format=kv_events_block_hash_format)
             engine_options["enable_kv_events"] = True
         elif kv_events_replay_endpoint is not None:
             raise ValueError("a KV events replay endpoint needs --kv-events-endpoint too")

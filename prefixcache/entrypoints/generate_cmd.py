@@ -13,6 +13,8 @@ import argparse
 import copy
 import sys
 
+from prefixcache.config import DTYPES
+
 EXIT_USAGE = 2
 
 _DESCRIPTION = """\
@@ -60,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="stop when TEXT is generated (repeatable); not printed")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and KV cache dtype (default: float32)")
     parser.add_argument("--no-stream", action="store_true",
                         help="print the text once finished instead of as it is generated")

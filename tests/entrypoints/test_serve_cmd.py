@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.entrypoints.cli import build_parser, main
-from prefixcache.entrypoints.openai.serve_cmd import engine_options
+from prefixcache.entrypoints.openai.serve_cmd import engine_options, kv_events_options
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():
@@ -24,18 +24,36 @@ def test_flags_map_to_engine_options_in_vllm_spelling():
     assert defaults["model"] is None and "max_num_seqs" not in defaults
 
 
+def test_kv_events_flags():
+    args = build_parser().parse_args([
+        "serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+        "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558", "--kv-events-topic", "kv",
+        "--kv-events-block-hash-format", "bytes"])
+    assert kv_events_options(args) == {
+        "kv_events_endpoint": "tcp://127.0.0.1:5557",
+        "kv_events_replay_endpoint": "tcp://127.0.0.1:5558", "kv_events_topic": "kv",
+        "kv_events_block_hash_format": "bytes"}
+    defaults = kv_events_options(build_parser().parse_args(["serve"]))
+    assert defaults["kv_events_endpoint"] is None
+    assert defaults["kv_events_block_hash_format"] == "int64"  # vLLM's default
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--api-key-file", "/nonexistent/keys.txt"],
     ["serve", "--api-key", "k", "--api-key-file", "{keys}"],
     ["serve", "{missing_model}"],
     ["serve", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"],
-], ids=["missing-key-file", "key-and-key-file", "missing-model", "replay-without-endpoint"])
+    ["serve", "--kv-events-endpoint", "bogus"],
+    ["serve", "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "x"],
+], ids=["missing-key-file", "key-and-key-file", "missing-model", "replay-without-endpoint",
+        "bad-events-endpoint", "bad-replay-endpoint"])
 def test_bad_configuration_exits_2(argv, tmp_path, capsys):
     keys = tmp_path / "keys.txt"
     keys.write_text("k1 tenant\n")
     argv = [a.format(keys=keys, missing_model=tmp_path / "no-model") for a in argv]
     assert main(argv) == 2
-    assert "prefixcache serve:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "prefixcache serve:" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag", [["--port", "70000"], ["--block-size", "0"],

@@ -21,7 +21,8 @@ def events_server(tiny_model_dir):
     process = ServerProcess(
         tiny_model_dir, "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64",
         "--kv-events-endpoint", "tcp://127.0.0.1:*",
-        "--kv-events-replay-endpoint", "tcp://127.0.0.1:*", "--kv-events-topic", TOPIC)
+        "--kv-events-replay-endpoint", "tcp://127.0.0.1:*", "--kv-events-topic", TOPIC,
+        "--kv-events-block-hash-format", "bytes")
     ready = next(line for line in process.log if "ready:" in line)
     match = re.search(r"KV events on (tcp://\S+), replay on (tcp://[^\s)]+)", ready)
     assert match, ready
@@ -62,6 +63,8 @@ def test_requests_publish_stored_blocks_and_reset_publishes_clear(events_server)
                       if isinstance(e, BlockStored) and e.token_ids[:8] == prompt[:8])
         assert stored.block_size == BLOCK_SIZE
         assert stored.parent_block_hash is None
+        # --kv-events-block-hash-format bytes: raw sha256 digests, not 64-bit integers.
+        assert all(isinstance(h, bytes) and len(h) == 32 for h in stored.block_hashes)
         assert stored.extra_keys[0] == ("team-x",)  # open mode: the salt as sent
 
         assert http.post("/reset_prefix_cache").json() == {"success": True}

@@ -10,13 +10,14 @@ import argparse
 import logging
 import sys
 
+from prefixcache.config import DTYPES, HASH_ALGOS
 from prefixcache.entrypoints.arg_types import byte_size, port, positive_int
 
 logger = logging.getLogger("prefixcache.serve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # prefixcache.core.hashing
-DTYPES = ("float32", "bfloat16")
+# prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
+BLOCK_HASH_FORMATS = ("int64", "bytes")
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API with automatic prefix caching.
@@ -92,6 +93,10 @@ def register(subparsers) -> None:
     events.add_argument("--kv-events-replay-endpoint", default=None, metavar="E",
                         help="answer replay requests on this ROUTER endpoint")
     events.add_argument("--kv-events-topic", default="", help="topic frame of each message")
+    events.add_argument("--kv-events-block-hash-format", default="int64",
+                        choices=BLOCK_HASH_FORMATS,
+                        help="block hashes as vLLM's 64-bit integers (the digest's low 8 "
+                             "bytes, big-endian) or as raw digests (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -117,6 +122,16 @@ def engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def kv_events_options(args: argparse.Namespace) -> dict:
+    """The ``AsyncLLM.from_options`` keywords of the KV events flags."""
+    return {
+        "kv_events_endpoint": args.kv_events_endpoint,
+        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
+        "kv_events_topic": args.kv_events_topic,
+        "kv_events_block_hash_format": args.kv_events_block_hash_format,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,15 +145,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
         return 2
 
+    import zmq
+
     from prefixcache.engine.async_llm import AsyncLLM
 
     try:
-        llm = AsyncLLM.from_options(
-            kv_events_endpoint=args.kv_events_endpoint,
-            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-            kv_events_topic=args.kv_events_topic, **engine_options(args))
+        llm = AsyncLLM.from_options(**kv_events_options(args), **engine_options(args))
     except (OSError, ValueError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as exc:  # a malformed or taken KV events address
+        print(f"prefixcache serve: cannot open a KV events endpoint: {exc}", file=sys.stderr)
         return 2
     try:
         return _serve(args, llm, authenticator)
