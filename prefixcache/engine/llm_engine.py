@@ -128,9 +128,18 @@ class LLMEngine:
         Each step computes at most ``max_num_batched_tokens`` tokens (default 2048, so a
         2,000-token prompt prefills in one step) for at most ``max_num_seqs`` requests.
 
-        Raises ValueError for an invalid option and
-        FileNotFoundError / ValueError (from the loader) for a missing or unsupported model.
+        Raises ValueError for an invalid option, FileNotFoundError for a missing model and
+        ValueError naming the model for one that cannot be loaded (not a model, corrupt,
+        an unsupported architecture).
         """
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("enable_prefix_caching", enable_prefix_caching),
+                            ("enable_chunked_prefill", enable_chunked_prefill)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
         model_config = ModelConfig(model=model_path, dtype=dtype)
         cache_config = CacheConfig(
@@ -148,10 +157,7 @@ class LLMEngine:
         )
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        if isinstance(model, LoadedModel):
-            loaded = model
-        else:
-            loaded = load_model(model_path, TORCH_DTYPES[dtype])
+        loaded = model if isinstance(model, LoadedModel) else _load(model_path, dtype)
         return cls(loaded, model_config, cache_config, scheduler_config,
                    seed=seed, hash_seed=hash_seed)
 
@@ -320,6 +326,23 @@ class LLMEngine:
         if not self.cache_config.enable_kv_events:
             return []
         return self.kv_cache_manager.take_events()
+
+
+def _load(model_path: str | None, dtype: str) -> LoadedModel:
+    """``load_model``, with every failure but a missing path reported as a ValueError that
+    names the model (the loader's own messages may name only a field or a file format)."""
+    if model_path is not None:
+        path = Path(model_path)
+        if path.is_file() and path.suffix != ".gguf":
+            raise ValueError(f"{model_path} is neither a .gguf file nor a Hugging Face model "
+                             "folder")
+    try:
+        return load_model(model_path, TORCH_DTYPES[dtype])
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - corrupt files fail in many ways
+        name = model_path or "the default model"
+        raise ValueError(f"cannot load {name}: {error}") from error
 
 
 def default_num_kv_blocks(
