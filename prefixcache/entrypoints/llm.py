@@ -9,9 +9,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.engine.stats import EngineStats
 from prefixcache.model.loader import LoadedModel
 
 # A progress bar is worth drawing only for batches at least this large.
@@ -25,14 +27,34 @@ class LLM:
     """Generate text for batches of prompts with automatic prefix caching.
 
     ``model`` is None (the default SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
-    model folder or a :class:`LoadedModel`; every other option is passed to
-    :meth:`LLMEngine.from_options` (``enable_prefix_caching``, ``block_size``,
-    ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``dtype``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``hash_algo``, ``seed``, ...).
+    model folder or a :class:`LoadedModel`. The options are those of
+    :meth:`LLMEngine.from_options`, which documents them and their defaults; the rest of
+    its keywords (``enable_chunked_prefill``, ``hash_seed``, ``enable_kv_events``) pass
+    through ``engine_options``. Raises ValueError for a bad option or a model that cannot
+    be loaded, FileNotFoundError for a missing one.
     """
 
-    def __init__(self, model: str | Path | LoadedModel | None = None, **engine_options: Any):
-        self.engine = LLMEngine.from_options(model, **engine_options)
+    def __init__(
+        self,
+        model: str | Path | LoadedModel | None = None,
+        *,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        hash_algo: str = "sha256",
+        seed: int | None = None,
+        **engine_options: Any,
+    ) -> None:
+        self.engine = LLMEngine.from_options(
+            model, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, hash_algo=hash_algo, seed=seed,
+            **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
 
@@ -81,9 +103,13 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
-            if not conversation or not all(isinstance(m, Mapping) for m in conversation):
+            if not conversation or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in conversation
+            ):
+                # A template renders a missing key as nothing, so say it here.
                 raise ValueError("a conversation must be a non-empty list of "
-                                 "{'role': ..., 'content': ...} dicts")
+                                 "{'role': str, 'content': str} dicts")
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
@@ -96,7 +122,8 @@ class LLM:
         """Forget every cached block (e.g. between benchmark runs)."""
         return self.engine.reset_prefix_cache()
 
-    def get_stats(self):
+    def get_stats(self) -> EngineStats:
+        """The engine's counters and gauges (see :class:`EngineStats`)."""
         return self.engine.get_stats()
 
     # -- running a batch --------------------------------------------------------------------
@@ -116,6 +143,8 @@ class LLM:
             params.validate()
             if token_ids is None:
                 token_ids = self.tokenizer.encode(text)
+            if not token_ids:  # said here: the engine's message names an internal id
+                raise ValueError(f"prompt {index} is empty")
             base_id = str(next(self._request_counter))
             base_ids.append(base_id)
             for sample in range(params.n):

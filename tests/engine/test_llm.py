@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import io
 import subprocess
 import sys
 
@@ -63,10 +65,69 @@ def test_per_prompt_params_and_errors(llm):
         llm.generate(["a", "b"], [GREEDY])
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(["a", "b"], SamplingParams(temperature=-1))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
         llm.generate(["a", []], GREEDY)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_constructor_takes_the_engine_options_by_name(tiny_model):
+    parameters = inspect.signature(LLM).parameters
+    for name in ("model", "enable_prefix_caching", "block_size", "num_kv_blocks",
+                 "kv_cache_memory_bytes", "dtype", "max_num_seqs", "max_num_batched_tokens",
+                 "hash_algo", "seed"):
+        assert name in parameters
+    llm = LLM(tiny_model, enable_prefix_caching=False, block_size=8, num_kv_blocks=32,
+              max_num_seqs=2, max_num_batched_tokens=64, hash_algo="sha256_cbor", seed=3,
+              enable_chunked_prefill=False)
+    engine = llm.engine
+    assert (engine.block_size, engine.num_kv_blocks) == (8, 32)
+    assert engine.scheduler_config.max_num_seqs == 2
+    assert not engine.cache_config.enable_prefix_caching
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"max_num_seqs": "8"}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 2.5}, "max_num_batched_tokens"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"block_size": 0}, "block_size"),
+    ({"hash_algo": "md5"}, "hash_algo"),
+])
+def test_bad_options_are_value_errors_naming_the_option(tiny_model, options, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model, **options)
+
+
+def test_a_file_that_is_not_a_model_is_a_value_error_naming_it(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    for path in (junk, text, folder):
+        with pytest.raises(ValueError, match=path.name):
+            LLM(str(path))
+    with pytest.raises(FileNotFoundError):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_progress_bar_for_large_batches_on_a_terminal(llm, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    llm.generate(["a"] * 8, GREEDY)
+    assert "Generating" in terminal.getvalue() and "8/8" in terminal.getvalue()
+    quiet = Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    llm.generate(["a"] * 8, GREEDY, use_tqdm=False)
+    llm.generate(["a"] * 2, GREEDY)  # too small to be worth a bar
+    assert quiet.getvalue() == ""
 
 
 def test_chat_renders_the_template(llm):
@@ -77,6 +138,9 @@ def test_chat_renders_the_template(llm):
                                                            add_special_tokens=False)
     batch = llm.chat([conversation, [{"role": "user", "content": "world"}]], GREEDY)
     assert len(batch) == 2 and batch[0].token_ids == output.token_ids
+    for bad in ([], [{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": 5}]):
+        with pytest.raises(ValueError):
+            llm.chat(bad, GREEDY)
 
 
 def test_default_model_answers_a_chat_prompt(smollm2):
