@@ -189,31 +189,45 @@ class KVCacheManager:
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
         if new_computed_blocks:
+            num_hit_blocks = len(new_computed_blocks)
             if req_blocks:
                 raise ValueError(f"request {request_id!r} already holds blocks: a cache hit "
                                  "can only be added before its first allocation")
-            if num_new_computed_tokens != len(new_computed_blocks) * block_size:
+            if num_new_computed_tokens != num_hit_blocks * block_size:
                 raise ValueError(
                     f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                    f"{len(new_computed_blocks)} hit blocks of {block_size} tokens")
+                    f"{num_hit_blocks} hit blocks of {block_size} tokens")
         elif num_new_computed_tokens:
             raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} without the "
                              "hit blocks (new_computed_blocks) that hold them")
         else:
-            new_computed_blocks = ()
+            num_hit_blocks = 0
         num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_slots_needed = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_required_blocks = -(-num_slots_needed // block_size)
-        num_new_blocks = num_required_blocks - num_existing_blocks - len(new_computed_blocks)
+        num_new_blocks = num_required_blocks - num_existing_blocks - num_hit_blocks
 
-        # Hash the request (if new to us) before the check: hashing may raise on bad tokens.
-        if self.enable_caching and request.block_hasher is None:
-            request.attach_block_hasher(self.block_hasher)
+        caching = self.enable_caching
+        if caching:
+            # Hash the request (if new to us) before the check: hashing may raise on bad
+            # tokens. Every block that becomes full must have its hash by now.
+            if request.block_hasher is None:
+                request.attach_block_hasher(self.block_hasher)
+            num_full_blocks = min(num_computed_tokens + num_new_tokens,
+                                  request.num_tokens) // block_size
+            num_cached = num_hit_blocks if req_blocks is None else \
+                self.num_cached_blocks[request_id] + num_hit_blocks
+            if num_full_blocks > num_cached and num_full_blocks > len(request.block_hashes):
+                raise ValueError(
+                    f"request {request_id!r} has {request.num_tokens} tokens but hashes for "
+                    f"{len(request.block_hashes)} blocks: append tokens with "
+                    "append_output_token_ids, not to all_token_ids directly")
         pool = self.block_pool
         if num_new_blocks > 0:
-            num_free_hit_blocks = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            num_free_hit_blocks = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) \
+                if num_hit_blocks else 0
             if num_new_blocks > pool.free_block_queue.num_free_blocks - num_free_hit_blocks:
                 return None
 
@@ -221,22 +235,20 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
-        if new_computed_blocks:
+        if num_hit_blocks:
             pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
-            self.num_cached_blocks[request_id] += len(new_computed_blocks)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         if new_blocks:
             req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            num_full_blocks = num_tokens_to_cache // block_size
-            num_cached = self.num_cached_blocks[request_id]
+        if caching:
             if num_full_blocks > num_cached:
                 pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks,
                                        block_size)
                 self.num_cached_blocks[request_id] = num_full_blocks
+            elif num_hit_blocks:
+                self.num_cached_blocks[request_id] = num_cached
         return new_blocks
 
     def free(self, request: Request) -> None:

@@ -141,14 +141,24 @@ class Request:
         self._next_hash_at = (len(self.block_hashes) + 1) * block_hasher.block_size
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Append sampled tokens; hashes any block they complete."""
+        """Append sampled tokens; hashes any block they complete.
+
+        Tokens that cannot be hashed raise ValueError when their block completes; the
+        tokens of that call are then taken back out, so the request stays consistent.
+        """
+        all_token_ids = self.all_token_ids
         if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
+            all_token_ids.append(token_ids)
         else:
-            self.all_token_ids.extend(token_ids)
+            all_token_ids.extend(token_ids)
         hasher = self.block_hasher
-        if hasher is not None and len(self.all_token_ids) >= self._next_hash_at:
-            hasher.extend_request(self)
+        if hasher is not None and len(all_token_ids) >= self._next_hash_at:
+            try:
+                hasher.extend_request(self)
+            except ValueError:
+                num_appended = 1 if isinstance(token_ids, int) else len(token_ids)
+                del all_token_ids[len(all_token_ids) - num_appended:]
+                raise
             self._next_hash_at = (len(self.block_hashes) + 1) * hasher.block_size
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple | None:

@@ -11,6 +11,7 @@ from tests.core.helpers import (
     free_ids,
     make_manager,
     ref_cnts,
+    schedule_decode,
     schedule_prefill,
     seq,
     snapshot,
@@ -182,3 +183,28 @@ def test_hit_token_count_must_match_the_hit_blocks():
             mgr.allocate_slots(r, 1, tokens, hit_blocks)
         assert snapshot(mgr, ["first", "r"]) == before
     assert mgr.allocate_slots(r, 1, num_hit_tokens, blocks) is not None
+
+
+def test_unhashable_output_tokens_are_taken_back_and_change_no_block():
+    mgr = make_manager(num_blocks=10, block_size=4)
+    r = Request("r", seq(0, 3))
+    schedule_prefill(mgr, r)
+    before = snapshot(mgr, ["r"])
+    with pytest.raises(ValueError, match="integers"):
+        r.append_output_token_ids([4.5, 6, 7])  # completes block 0 with a float in it
+    assert r.all_token_ids == seq(0, 3) and r.block_hashes == []
+    assert snapshot(mgr, ["r"]) == before
+    # the request carries on as if the bad call never happened
+    assert schedule_decode(mgr, r, [3, 4]) == [1]
+    assert mgr.block_pool.blocks[0].block_hash == r.block_hashes[0]
+
+
+def test_tokens_appended_behind_the_hashers_back_are_refused_before_allocating():
+    mgr = make_manager(num_blocks=10, block_size=4)
+    r = Request("r", seq(0, 3))
+    schedule_prefill(mgr, r)
+    r.all_token_ids.extend([3, 4])  # not through append_output_token_ids: block 0 unhashed
+    before = snapshot(mgr, ["r"])
+    with pytest.raises(ValueError, match="append_output_token_ids"):
+        mgr.allocate_slots(r, 2)
+    assert snapshot(mgr, ["r"]) == before
