@@ -249,6 +249,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
     after = wait_for_idle(http)
     aborted = 'prefixcache:request_success_total{finished_reason="abort"}'
     assert after[aborted] - before[aborted] == 1
+    # Its first token was streamed before the client left, so it was timed.
+    ttft_count = "prefixcache:time_to_first_token_seconds_count"
+    assert after[ttft_count] - before[ttft_count] == 1
     generated = after["prefixcache:generation_tokens_total"] \
         - before["prefixcache:generation_tokens_total"]
     assert generated < 480

@@ -102,13 +102,14 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # present from the start, so rates work at zero
             self.request_success.labels(finished_reason=reason)
 
-    def observe_finished(self, finish_reason: str | None, time_to_first_token_s: float | None,
-                         e2e_latency_s: float) -> None:
+    def observe_first_token(self, time_to_first_token_s: float) -> None:
+        """Record the first token of one engine request, whether or not it finishes."""
+        self.time_to_first_token.observe(time_to_first_token_s)
+
+    def observe_finished(self, finish_reason: str | None, e2e_latency_s: float) -> None:
         """Record one finished engine request (one choice of an API request)."""
         reason = finish_reason if finish_reason in FINISH_REASONS else "error"
         self.request_success.labels(finished_reason=reason).inc()
-        if time_to_first_token_s is not None:
-            self.time_to_first_token.observe(time_to_first_token_s)
         self.e2e_request_latency.observe(max(e2e_latency_s, 0.0))
 
     def render(self) -> bytes:

@@ -83,6 +83,8 @@ class _Run:
     request_id_to_index: dict[str, int]
     is_chat: bool
     final_outputs: dict[int, RequestOutput] = field(default_factory=dict)
+    # Choices whose first token has been timed (an aborted one may have had it too).
+    timed_indexes: set[int] = field(default_factory=set)
 
     def usage(self) -> UsageInfo:
         completion_tokens = sum(len(o.token_ids) for o in self.final_outputs.values())
@@ -249,15 +251,19 @@ class OpenAIServing:
     # ---- response side -----------------------------------------------------------------
 
     def _record(self, run: _Run, output: RequestOutput) -> int:
-        """File one output under its choice; on a finished one, record its metrics."""
+        """File one output under its choice and record its metrics: time to first token
+        on the choice's first token, the finish on its last output."""
         index = run.request_id_to_index[output.request_id]
+        metrics = output.metrics
+        if metrics is not None and metrics.time_to_first_token is not None \
+                and index not in run.timed_indexes:
+            run.timed_indexes.add(index)
+            self.metrics.observe_first_token(metrics.time_to_first_token)
         if output.finished:
             run.final_outputs[index] = output
-            metrics = output.metrics
-            ttft = metrics.time_to_first_token if metrics is not None else None
             finished_time = (metrics.finished_time if metrics is not None else None) \
                 or time.time()
-            self.metrics.observe_finished(output.finish_reason, ttft,
+            self.metrics.observe_finished(output.finish_reason,
                                           finished_time - run.arrival_time)
         return index
 
@@ -265,7 +271,7 @@ class OpenAIServing:
         # Choices the client never waited for: count them as aborted.
         num_unfinished = len(run.request_id_to_index) - len(run.final_outputs)
         for _ in range(num_unfinished):
-            self.metrics.observe_finished("abort", None, time.time() - run.arrival_time)
+            self.metrics.observe_finished("abort", time.time() - run.arrival_time)
 
     async def _drain(self, run: _Run, stream: OutputStream) -> None:
         try:
