@@ -169,3 +169,22 @@ def test_prompt_larger_than_the_kv_pool_is_400(small_pool_server):
         assert response.status_code == 200
         assert response.json()["choices"][0]["finish_reason"] == "length"
         wait_for_idle(client)
+
+
+def test_preemptions_and_evictions_are_counted(small_pool_server):
+    import httpx
+
+    with httpx.Client(base_url=small_pool_server.url, timeout=60) as client:
+        before = wait_for_idle(client)
+        # One request, two prompts: admitted in the same step. Each grows to 7 of the 8
+        # blocks, so one is preempted until the other finishes, and the blocks it then
+        # takes were cached by the other: evictions.
+        body = completion(prompt=[[5 + i] * 12 for i in range(2)], max_tokens=16,
+                          temperature=0)
+        response = client.post(COMPLETIONS, json=body)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert [c["finish_reason"] for c in choices] == ["length", "length"]
+        after = wait_for_idle(client)
+    for name in ("prefixcache:num_preemptions_total", "prefixcache:num_evictions_total"):
+        assert after[name] > before[name], name
