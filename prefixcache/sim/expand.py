@@ -25,11 +25,10 @@ from array import array
 from prefixcache.core import BlockHash, BlockHasher, resolve_hash_seed
 from prefixcache.sim.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
-TOKEN_ID_LIMIT = 1 << 16  # expanded token ids are in [0, 65536): two bytes each
-
 
 def _pseudo_random_tokens(key: str, num_tokens: int) -> bytes:
-    """``num_tokens`` token ids as native uint16 bytes, a pure function of ``key``."""
+    """``num_tokens`` token ids in [0, 65536) as native uint16 bytes, a pure function of
+    ``key``."""
     return hashlib.shake_128(key.encode()).digest(2 * num_tokens)
 
 

@@ -19,10 +19,12 @@ counted in :attr:`Trace.num_bad_lines`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 MOONCAKE_BLOCK_SIZE = 512
+_TOKEN_ID_BOUND = 1 << 63  # token ids are hashed as signed 64-bit integers
 
 
 class TraceFormatError(ValueError):
@@ -78,16 +80,17 @@ def _timestamp(obj: dict) -> float | None:
     value = obj.get("timestamp")
     if value is None:
         return None
-    if type(value) not in (int, float) or value < 0:
-        raise ValueError(f"'timestamp' must be a non-negative number of ms, got {value!r}")
+    if type(value) not in (int, float) or not 0 <= value < math.inf:
+        raise ValueError(f"'timestamp' must be a finite non-negative number of ms, "
+                         f"got {value!r}")
     return float(value)
 
 
 def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
     if not isinstance(values, list) or not values:
         raise ValueError("prompt_token_ids must be a non-empty list of integers")
-    if not all(_is_int(v) and v >= 0 for v in values):
-        raise ValueError("prompt_token_ids must hold only non-negative integers")
+    if not all(_is_int(v) and 0 <= v < _TOKEN_ID_BOUND for v in values):
+        raise ValueError("prompt_token_ids must hold only non-negative integers below 2**63")
     output_length = 0 if obj is None else _non_negative_int(obj, "output_length", 0)
     timestamp = None if obj is None else _timestamp(obj)
     return TraceRequest(line_no, len(values), output_length, timestamp,

@@ -52,6 +52,9 @@ def test_token_id_formats(tmp_path):
     ('{"input_length": 0, "hash_ids": []}', "at least 1"),
     ('{"input_length": 10, "hash_ids": ["x"]}', "'hash_ids' must be"),
     ('{"input_length": 10, "hash_ids": [1], "timestamp": -1}', "'timestamp'"),
+    ('{"input_length": 10, "hash_ids": [1], "timestamp": NaN}', "finite"),
+    ('{"input_length": 10, "hash_ids": [1], "timestamp": Infinity}', "finite"),
+    (f"[1, {2**63}]", "below 2\\*\\*63"),
     ('{"input_length": 10, "hash_ids": [1], "output_length": 1.5}', "'output_length'"),
     ('{"input_length": true, "hash_ids": [1]}', "'input_length'"),
 ])
