@@ -222,19 +222,30 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
         }
         for name, (prompts, warmup) in make_prompts(args).items():
-            report[name] = asyncio.run(run_workload(url, model, prompts, warmup, args))
+            try:
+                report[name] = asyncio.run(run_workload(url, model, prompts, warmup, args))
+            except RuntimeError as exc:  # the warm-up request failed: nothing to measure
+                raise SystemExit(f"serve_load: {name} warm-up failed: {exc}") from None
         shared, unique = report["shared_prefix"], report["unique"]
         report["shared_vs_unique"] = {
-            "ttft_p50_speedup": round(unique["ttft_s"]["p50"] / shared["ttft_s"]["p50"], 2),
-            "ttft_p90_speedup": round(unique["ttft_s"]["p90"] / shared["ttft_s"]["p90"], 2),
-            "throughput_ratio": round(shared["output_tokens_per_s"]
-                                      / unique["output_tokens_per_s"], 2),
+            "ttft_p50_speedup": ratio(unique["ttft_s"].get("p50"), shared["ttft_s"].get("p50")),
+            "ttft_p90_speedup": ratio(unique["ttft_s"].get("p90"), shared["ttft_s"].get("p90")),
+            "throughput_ratio": ratio(shared["output_tokens_per_s"],
+                                      unique["output_tokens_per_s"]),
         }
         print(json.dumps(report, indent=2))
     finally:
         if process is not None:
             stop_server(process)
-    return 0
+    # Failed requests are in the JSON; the exit status says whether to trust the ratios.
+    return 1 if shared["num_errors"] or unique["num_errors"] else 0
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator`` to 2 places; None when a workload had no results."""
+    if not numerator or not denominator:
+        return None
+    return round(numerator / denominator, 2)
 
 
 if __name__ == "__main__":
