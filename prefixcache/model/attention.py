@@ -99,10 +99,12 @@ class PagedAttention(nn.Module):
                     decode_query, key_slots_view, value_slots_view, metadata
                 )
             else:
+                key_slots = metadata.decode_key_slots  # [D, max_len]
+                # [D, max_len, kv_heads, d] -> [D, kv_heads, max_len, d], views
                 attended = F.scaled_dot_product_attention(
                     decode_query,
-                    _gather_padded(key_slots_view, metadata.decode_key_slots, query.dtype),
-                    _gather_padded(value_slots_view, metadata.decode_key_slots, query.dtype),
+                    _gather_rows(key_slots_view, key_slots, query.dtype).transpose(1, 2),
+                    _gather_rows(value_slots_view, key_slots, query.dtype).transpose(1, 2),
                     attn_mask=metadata.decode_key_mask,
                 )
             output.index_copy_(0, indices, attended.to(output.dtype))  # [D, kv_heads, group, d]
@@ -126,12 +128,12 @@ class PagedAttention(nn.Module):
         kv_heads, group, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         # Scaling the queries (not the scores) is the cheaper way to SDPA's default 1/sqrt(d).
         scaled_query = decode_query.float() * head_dim**-0.5  # [D, kv_heads, group, d]
-        suffix_key = _gather_padded(key_slots_view, metadata.decode_key_slots, torch.float32)
-        suffix_value = _gather_padded(value_slots_view, metadata.decode_key_slots, torch.float32)
-        scores = scaled_query @ suffix_key.transpose(2, 3)  # [D, kv_heads, group, max_suffix]
+        suffix_key = _gather_rows(key_slots_view, metadata.decode_key_slots, torch.float32)
+        suffix_value = _gather_rows(value_slots_view, metadata.decode_key_slots, torch.float32)
         # Every row keeps at least its current token's key, so no row is all -inf.
-        scores.masked_fill_(~metadata.decode_key_mask, float("-inf"))
-        attended, lse = _attend_with_lse(scores, suffix_value)  # [D, kv, g, d], [D, kv, g]
+        attended, lse = _attend_padded_with_lse(
+            scaled_query, suffix_key, suffix_value, metadata.decode_key_mask
+        )  # [D, kv_heads, group, d], [D, kv_heads, group]
 
         for prefix in metadata.decode_shared_prefixes:
             rows = prefix.decode_rows
@@ -161,16 +163,15 @@ class PagedAttention(nn.Module):
         return attended
 
 
-def _gather_padded(
+def _gather_rows(
     slots_view: torch.Tensor, key_slots: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Keys (or values) at `key_slots` [D, max_len] of `slots_view` [num_slots, kv_heads, d],
-    as [D, kv_heads, max_len, d] in `dtype` (a transposed view of the gathered rows)."""
+    as [D, max_len, kv_heads, d] in `dtype`."""
     num_rows, max_len = key_slots.shape
     # index_select is far cheaper than advanced indexing.
     gathered = slots_view.index_select(0, key_slots.view(-1))  # [D * max_len, kv_heads, d]
-    gathered = gathered.view(num_rows, max_len, *slots_view.shape[1:])  # [D, max_len, kv, d]
-    return gathered.to(dtype).transpose(1, 2)
+    return gathered.view(num_rows, max_len, *slots_view.shape[1:]).to(dtype)
 
 
 def _attend_with_lse(
@@ -194,3 +195,28 @@ def _merge_partial_attention(
     second_weight = torch.exp(second_lse - max_lse).unsqueeze(-1)
     merged = first * first_weight + second * second_weight
     return merged / (first_weight + second_weight)
+
+
+def _attend_padded_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention with its log-sum-exp, one bmm per KV head.
+
+    `query` [D, kv_heads, group, d] (already scaled); `key`, `value` [D, max_len, kv_heads, d]
+    as gathered; `key_mask` [D, 1, 1, max_len] (True = real key, at least one per row).
+    Returns ([D, kv_heads, group, d], [D, kv_heads, group]). Per head, `key[:, :, h]` is a
+    strided [D, max_len, d] view bmm reads in place; a 4-D matmul batched over (D, kv_heads)
+    would first copy every gathered key and value into that batch order.
+    """
+    num_kv_heads = query.shape[1]
+    scores = torch.stack(
+        [torch.bmm(query[:, h], key[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)],
+        dim=1,
+    )  # [D, kv_heads, group, max_len]
+    scores.masked_fill_(~key_mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [D, kv_heads, group, 1]
+    probs = torch.exp(scores - lse)
+    attended = torch.stack(
+        [torch.bmm(probs[:, h], value[:, :, h]) for h in range(num_kv_heads)], dim=1
+    )  # [D, kv_heads, group, d]
+    return attended, lse.squeeze(-1)

@@ -24,9 +24,10 @@ from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.llama import LlamaForCausalLM
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
-# Measured on SmolLM2-135M (float32, 2 threads): cascade decode attention breaks even with the
-# plain padded batch at about ... shared tokens per group.
-DEFAULT_MIN_SHARED_PREFIX_TOKENS = 128
+# One layer of SmolLM2-135M shapes (float32, 2 threads): cascade decode attention broke even
+# with the plain padded batch at roughly 64-128 shared tokens for 32 decodes, later for fewer
+# (each group adds a handful of small kernels); 256 keeps small batches on the plain path.
+DEFAULT_MIN_SHARED_PREFIX_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -46,8 +47,9 @@ class ModelRunner:
     parameter dtype). Block ids handed in by callers index the first dimension.
 
     Decodes whose block tables start with at least `min_shared_prefix_tokens` tokens' worth of
-    the same blocks get cascade attention over that shared prefix (see `SharedPrefixGroup`);
-    below it, reading the prefix once saves less than the extra merge costs.
+    the same blocks get cascade attention over that shared prefix (see `SharedPrefixGroup`),
+    provided it at least halves the longest run of keys each decode reads on its own; below
+    either, reading the prefix once saves less than the extra attention and merge cost.
     """
 
     def __init__(
@@ -189,13 +191,20 @@ class ModelRunner:
         for rows, num_shared_blocks in shared_prefixes:
             for row in rows:
                 num_skipped_blocks[row] = num_shared_blocks
-        # A shared prefix is whole blocks, so each suffix starts at a block boundary.
-        suffix_tables = [
-            table[skip:] for table, skip in zip(block_tables, num_skipped_blocks, strict=True)
-        ]
         suffix_lens = [
             seq_len - skip * block_size
             for seq_len, skip in zip(seq_lens, num_skipped_blocks, strict=True)
+        ]
+        if shared_prefixes and 2 * max(suffix_lens) > max(seq_lens):
+            # Every decode reads the padded suffix batch, so a long decode outside the groups
+            # (or long suffixes) leaves cascade reading about as much as the plain path, with
+            # a slower unfused attention on top: use it only when it halves the padded batch.
+            shared_prefixes = []
+            num_skipped_blocks = [0] * len(block_tables)
+            suffix_lens = seq_lens
+        # A shared prefix is whole blocks, so each suffix starts at a block boundary.
+        suffix_tables = [
+            table[skip:] for table, skip in zip(block_tables, num_skipped_blocks, strict=True)
         ]
         max_blocks = max(len(table) for table in suffix_tables)
         max_len = max(suffix_lens)

@@ -240,3 +240,15 @@ def test_mixed_batch_with_prefill_chunks_and_shared_prefix_decodes(model_and_con
         reference_last_logits(model_and_config, ids) for ids in (fresh, decoders[0][0], hit)
     ] + [reference_last_logits(model_and_config, decoders[1][0])]
     torch.testing.assert_close(cascade, torch.stack(expected), **TOL)
+
+
+def test_cascade_is_skipped_unless_it_halves_the_padded_batch(model_and_config):
+    """A loner as long as the sharers keeps the padded batch long: the plain path runs."""
+    sequences = [
+        (PROMPT_P + random_token_ids(2, seed=23), P_BLOCKS + [20], 12),
+        (PROMPT_P + random_token_ids(3, seed=24), P_BLOCKS + [21], 12),
+        (random_token_ids(9, seed=25), [22, 23, 24], 0),  # 2 * 9 > 15 keys
+    ]
+    metadata = check_story(model_and_config, sequences)
+    assert metadata.decode_shared_prefixes == ()
+    assert metadata.decode_key_mask.view(3, -1).sum(dim=1).tolist() == [14, 15, 9]
