@@ -151,8 +151,11 @@ class KVCacheManager:
             start = i * block_size
             expected = (all_token_ids[start:start + block_size],
                         request.block_extra_keys(i, block_size) if has_extra_keys else None)
-            candidates = (entry,) if type(entry) is KVCacheBlock else entry.values()
-            match = next((b for b in candidates if contents[b.block_id] == expected), None)
+            if type(entry) is KVCacheBlock:  # the common case: one block under the hash
+                match = entry if contents[entry.block_id] == expected else None
+            else:
+                match = next((b for b in entry.values() if contents[b.block_id] == expected),
+                             None)
             if match is None:
                 self.num_hash_collisions += 1
                 break
