@@ -252,3 +252,40 @@ def test_cascade_is_skipped_unless_it_halves_the_padded_batch(model_and_config):
     metadata = check_story(model_and_config, sequences)
     assert metadata.decode_shared_prefixes == ()
     assert metadata.decode_key_mask.view(3, -1).sum(dim=1).tolist() == [14, 15, 9]
+
+
+@torch.inference_mode()
+def test_greedy_decode_loop_is_unchanged_by_cascade(model_and_config):
+    """Eight greedy decode steps of three sequences sharing P, across a block boundary,
+    produce the same tokens (and logits) with cascade attention as without."""
+    tails = [random_token_ids(n, seed=30 + n) for n in (1, 2, 3)]
+    own_blocks = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31]]
+
+    def run(min_shared_prefix_tokens):
+        runner = make_runner(model_and_config, min_shared_prefix_tokens)
+        sequences = [
+            (PROMPT_P + tail, P_BLOCKS + blocks, 12)
+            for tail, blocks in zip(tails, own_blocks, strict=True)
+        ]
+        fill_cache(runner, sequences)
+        token_ids = [list(ids) for ids, _, _ in sequences]
+        tables = [table for _, table, _ in sequences]
+        all_logits, num_cascade_steps = [], 0
+        for _ in range(8):
+            pairs = zip(token_ids, tables, strict=True)
+            steps = decode_steps([(ids, table, 0) for ids, table in pairs])
+            inputs = runner.build_step_inputs(steps)
+            num_cascade_steps += bool(inputs.metadata.decode_shared_prefixes)
+            logits = runner.model(
+                inputs.input_ids, runner.kv_caches, inputs.metadata, inputs.logits_indices
+            )
+            all_logits.append(logits)
+            for ids, token_id in zip(token_ids, logits.argmax(dim=-1).tolist(), strict=True):
+                ids.append(token_id)
+        return token_ids, torch.stack(all_logits), num_cascade_steps
+
+    cascade_ids, cascade_logits, num_cascade_steps = run(1)
+    plain_ids, plain_logits, num_plain_cascade_steps = run(NO_CASCADE)
+    assert (num_cascade_steps, num_plain_cascade_steps) == (8, 0)
+    assert cascade_ids == plain_ids
+    torch.testing.assert_close(cascade_logits, plain_logits, **TOL)
