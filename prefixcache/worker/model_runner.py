@@ -3,8 +3,8 @@
 It decides nothing. The scheduler says which tokens of which sequences to compute
 (`ScheduledSequence`), the KV cache manager has already said which blocks hold them; the
 runner turns that into packed model inputs and attention metadata - in `build_step_inputs`,
-the one place positions, slots and block tables are derived - runs the model and returns the
-logits of the sequences that will sample.
+the one place positions, slots, block tables and shared prefixes are derived - runs the model
+and returns the logits of the sequences that will sample.
 """
 
 from __future__ import annotations
