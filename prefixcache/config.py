@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.core.hashing import HASH_ALGOS
-from prefixcache.core.scheduler import SchedulerConfig
+from prefixcache.core.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from prefixcache.core.scheduler import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_DTYPE",
+    "DEFAULT_HASH_ALGO",
     "DEFAULT_KV_CACHE_MEMORY_BYTES",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
     "DTYPES",
     "CacheConfig",
     "ModelConfig",
@@ -27,6 +36,8 @@ __all__ = [
 DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 
 DTYPES = ("float32", "bfloat16")
+DEFAULT_DTYPE = "float32"
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +49,7 @@ class ModelConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,11 +65,11 @@ class CacheConfig:
     context could ever use, so a tiny model does not get millions of idle blocks.
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
-    hash_algo: str = "sha256"
+    hash_algo: str = DEFAULT_HASH_ALGO
     enable_kv_events: bool = False
 
     def __post_init__(self) -> None:

@@ -29,14 +29,18 @@ from dataclasses import dataclass, field
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 
+DEFAULT_MAX_NUM_SEQS = 64
+# Enough that a 2,000-token prompt prefills in one step.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Limits of one step. Chunked prefill splits prompts longer than the remaining budget;
     without it, a prompt longer than ``max_num_batched_tokens`` can never run."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:

@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES
+from prefixcache.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DTYPE,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -39,13 +46,13 @@ class LLM:
         model: str | Path | LoadedModel | None = None,
         *,
         enable_prefix_caching: bool = True,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str = "float32",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        hash_algo: str = "sha256",
+        dtype: str = DEFAULT_DTYPE,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        hash_algo: str = DEFAULT_HASH_ALGO,
         seed: int | None = None,
         **engine_options: Any,
     ) -> None:
