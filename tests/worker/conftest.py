@@ -1,15 +1,2 @@
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread():
-    """Run on one intra-op thread, restored afterwards.
-
-    These models are tiny (or 135M parameters on a handful of tokens): a second thread buys
-    little, and on a busy machine its spin-waiting made steps ~10x slower in wall time.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# Autouse in this folder only: pin torch to one thread for every test here.
+from tests.torch_threads import single_torch_thread  # noqa: F401
