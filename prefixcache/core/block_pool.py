@@ -270,9 +270,11 @@ class BlockPool:
 
     # -- release ----------------------------------------------------------------------
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
+                    request: Request | None = None) -> None:
         """Drop one reference from each block; blocks reaching zero are released to the
-        free queue in the given order (first given = evicted first, under ``lru``)."""
+        free queue in the given order (first given = evicted first, under ``lru``).
+        ``request``, whose blocks they are, is passed on to the eviction policy."""
         released = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
@@ -281,7 +283,7 @@ class BlockPool:
         if released:
             if self.cached_block_hash_to_block.num_duplicate_blocks:
                 self._uncache_released_duplicates(released)
-            self.free_block_queue.release(released)
+            self.free_block_queue.release(released, request)
 
     def _uncache_released_duplicates(self, released: list[KVCacheBlock]) -> None:
         """A released block whose hash another block also holds is redundant: drop its

@@ -6,9 +6,12 @@ whose last reference was just dropped are *released* into it. Every policy is a
 :class:`~prefixcache.core.block.FreeKVCacheBlockQueue` (the block pool exposes it as
 ``free_block_queue``) with one extra method:
 
-``release(blocks)``
+``release(blocks, request=None)``
     ``blocks`` just reached ``ref_cnt == 0``, given in the design's append order: a
     request's block table reversed, so its deepest (least reusable) block comes first.
+    ``request`` is the request whose blocks they were (None when the pool is driven
+    directly); only ``learned-reuse`` looks at it, and only at its ``status`` and
+    ``num_output_tokens``.
 
 Policies:
 
@@ -23,6 +26,10 @@ Policies:
     Cached content referenced a second time (hit while free, or recomputed while its hash
     is in the ghost list of recent evictions) is protected: one-off prompts are evicted
     before it. Unhashed blocks go first, as in ``unhashed-first``.
+``learned-reuse`` (see :class:`LearnedReuseFreeBlockQueue`)
+    Learns, online, which kinds of finished requests leave content that is looked up
+    again, and evicts new content of the kinds that rarely are before anything else.
+    Otherwise ``lru``, with unhashed blocks first.
 
 New policies register in :data:`EVICTION_POLICIES`.
 """
@@ -34,6 +41,7 @@ from collections.abc import Iterable
 
 from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 from prefixcache.core.hashing import BlockHash
+from prefixcache.core.request import Request, RequestStatus
 
 
 class LRUFreeBlockQueue(FreeKVCacheBlockQueue):
@@ -41,7 +49,7 @@ class LRUFreeBlockQueue(FreeKVCacheBlockQueue):
 
     policy_name = "lru"
 
-    def release(self, blocks: list[KVCacheBlock]) -> None:
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         self.append_n(blocks)
 
 
@@ -50,7 +58,7 @@ class UnhashedFirstFreeBlockQueue(FreeKVCacheBlockQueue):
 
     policy_name = "unhashed-first"
 
-    def release(self, blocks: list[KVCacheBlock]) -> None:
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         unhashed = [block for block in blocks if block.block_hash is None]
         if not unhashed:
             self.append_n(blocks)
@@ -59,15 +67,94 @@ class UnhashedFirstFreeBlockQueue(FreeKVCacheBlockQueue):
         self.append_n([block for block in blocks if block.block_hash is not None])
 
 
-class TwoQueueFreeBlockQueue(FreeKVCacheBlockQueue):
+class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
+    """A free queue in two LRU segments: *lower* (the inherited list) is drained first,
+    then *upper*. Subclasses decide where released blocks go.
+
+    ``in_upper[block_id]`` says which segment a free block is in (the pool's blocks are
+    numbered 0 .. num_blocks - 1); ``num_lower`` counts the lower segment and
+    ``num_free_blocks`` both. Two hooks see what passes through: :meth:`_on_taken` the
+    blocks about to be reused for new content (their old hashes still set) and
+    :meth:`_on_hit` a free block a request is about to hit.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        self.num_block_ids = max((block.block_id for block in blocks), default=-1) + 1
+        self.in_upper = bytearray(self.num_block_ids)
+        self.upper = FreeKVCacheBlockQueue(())
+        self.num_lower = 0
+        super().__init__(blocks)
+
+    def _on_taken(self, blocks: list[KVCacheBlock]) -> None:
+        """``blocks`` leave the queue to hold new content."""
+
+    def _on_hit(self, block: KVCacheBlock) -> None:
+        """``block`` leaves the queue because a request hit its cached content."""
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(
+                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
+            )
+        from_lower = min(n, self.num_lower)
+        popped = super().popleft_n(from_lower)
+        self.num_lower -= from_lower
+        if from_lower < n:
+            more = self.upper.popleft_n(n - from_lower)
+            self.num_free_blocks -= len(more)
+            in_upper = self.in_upper
+            for block in more:
+                in_upper[block.block_id] = 0
+            popped.extend(more)
+        self._on_taken(popped)
+        return popped
+
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        self._on_hit(block)
+        if self.in_upper[block.block_id]:
+            self.in_upper[block.block_id] = 0
+            self.upper.remove(block)
+            self.num_free_blocks -= 1
+        else:
+            super().remove(block)
+            self.num_lower -= 1
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+        self.num_lower += len(blocks)
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().prepend_n(blocks)
+        self.num_lower += len(blocks)
+
+    def append_upper(self, blocks: list[KVCacheBlock]) -> None:
+        """Append ``blocks`` to the tail of the upper segment."""
+        in_upper = self.in_upper
+        for block in blocks:
+            in_upper[block.block_id] = 1
+        self.upper.append_n(blocks)
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Lower head to tail, then upper head to tail: the eviction order."""
+        return super().get_all_free_blocks() + self.upper.get_all_free_blocks()
+
+
+class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
     """2Q-style segmented LRU: content referenced again is protected from one-off content.
 
-    Two LRU segments make up the free queue: *probation* (the inherited list) holds free
-    blocks whose content has been referenced once, *protected* those whose content was
-    referenced again. Blocks are taken from probation first, then from protected.
+    The lower segment (*probation*) holds free blocks whose content has been referenced
+    once, the upper one (*protected*) those whose content was referenced again.
 
-    Content counts as referenced again when its block is hit while free (:meth:`remove`,
-    called by the pool's ``touch``), or when it is released under a hash that is still
+    Content counts as referenced again when its block is hit while free (the pool's
+    ``touch`` calls ``remove``), or when it is released under a hash that is still
     remembered in the *ghost* list — the hashes of the last ``ghost_factor * num_blocks``
     evicted blocks (hashes only, no KV). The ghost is what lets a prefix whose reuse comes
     back after longer than the cache can hold it (e.g. the second question on a long
@@ -87,70 +174,26 @@ class TwoQueueFreeBlockQueue(FreeKVCacheBlockQueue):
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(blocks)
-        size = max((block.block_id for block in blocks), default=-1) + 1
-        # Indexed by block id: the pool's blocks are numbered 0 .. num_blocks - 1.
-        self.is_reused = bytearray(size)
-        self.is_protected = bytearray(size)
-        self.protected = FreeKVCacheBlockQueue(())
+        super().__init__(blocks)
+        self.is_reused = bytearray(self.num_block_ids)
         self.max_protected = int(self.protected_fraction * len(blocks))
         self.ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_ghost = self.ghost_factor * len(blocks)
-        self.num_probation = 0
-        super().__init__(blocks)
 
-    # ``num_free_blocks`` counts both segments; the inherited list is probation.
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
-        from_probation = min(n, self.num_probation)
-        popped = super().popleft_n(from_probation)
-        self.num_probation -= from_probation
-        if from_probation < n:
-            more = self.protected.popleft_n(n - from_probation)
-            self.num_free_blocks -= len(more)
-            is_protected = self.is_protected
-            for block in more:
-                is_protected[block.block_id] = 0
-            popped.extend(more)
+    def _on_taken(self, blocks: list[KVCacheBlock]) -> None:
         is_reused = self.is_reused
         ghost = self.ghost
-        for block in popped:
+        for block in blocks:
             is_reused[block.block_id] = 0
             if block.block_hash is not None:  # about to be evicted by the pool
                 ghost[block.block_hash] = None
         while len(ghost) > self.max_ghost:
             ghost.popitem(last=False)
-        return popped
 
-    def popleft(self) -> KVCacheBlock:
-        return self.popleft_n(1)[0]
+    def _on_hit(self, block: KVCacheBlock) -> None:
+        self.is_reused[block.block_id] = 1
 
-    def remove(self, block: KVCacheBlock) -> None:
-        block_id = block.block_id
-        self.is_reused[block_id] = 1
-        if self.is_protected[block_id]:
-            self.is_protected[block_id] = 0
-            self.protected.remove(block)
-            self.num_free_blocks -= 1
-        else:
-            super().remove(block)
-            self.num_probation -= 1
-
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
-        self.num_probation += len(blocks)
-
-    def append(self, block: KVCacheBlock) -> None:
-        self.append_n([block])
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().prepend_n(blocks)
-        self.num_probation += len(blocks)
-
-    def release(self, blocks: list[KVCacheBlock]) -> None:
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         is_reused = self.is_reused
         ghost = self.ghost
         unhashed, probation, protected = [], [], []
@@ -174,28 +217,189 @@ class TwoQueueFreeBlockQueue(FreeKVCacheBlockQueue):
             self._protect(protected)
 
     def _protect(self, blocks: list[KVCacheBlock]) -> None:
-        is_protected = self.is_protected
-        for block in blocks:
-            is_protected[block.block_id] = 1
-        self.protected.append_n(blocks)
-        self.num_free_blocks += len(blocks)
-        overflow = self.protected.num_free_blocks - self.max_protected
+        self.append_upper(blocks)
+        overflow = self.upper.num_free_blocks - self.max_protected
         if overflow > 0:
-            demoted = self.protected.popleft_n(overflow)
+            demoted = self.upper.popleft_n(overflow)
+            in_upper = self.in_upper
             for block in demoted:
-                is_protected[block.block_id] = 0
+                in_upper[block.block_id] = 0
             self.num_free_blocks -= overflow
             self.append_n(demoted)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Probation head to tail, then protected head to tail: the eviction order."""
-        return super().get_all_free_blocks() + self.protected.get_all_free_blocks()
 
+def output_length_signature(request: Request) -> int:
+    """The bit length of the request's number of generated tokens: 0, 1, 2-3, 4-7, ..."""
+    return request.num_output_tokens.bit_length()
+
+
+class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
+    """Evicts first the new content of the kinds of requests that rarely leave reusable
+    content, learning online which kinds those are.
+
+    A finished request's *signature* is :func:`output_length_signature`: how much it
+    generated, known once it finishes, and in real traffic a hint of the task — short
+    answers about a long document tend to be followed by more questions about it, long
+    generations from one-off prompts rarely are. For each signature the queue counts the
+    cached blocks released with content *new* to the cache (filled since the block was last
+    taken: nobody released it before), and how many of those were looked up again — hit
+    while free, or recomputed while the hash is in the *ghost* list of recently evicted,
+    never-reused content (the last ``ghost_factor * num_blocks`` such hashes). Its reuse
+    rate is estimated as ``(reused + prior_weight * g) / (inserted + prior_weight)``,
+    shrunk towards the overall rate ``g``. Counts are halved whenever
+    ``memory_factor * num_blocks`` insertions have accumulated, so the estimates follow
+    changing traffic.
+
+    Where released blocks go:
+
+    - no hash (partial tails, decode slots): the head of the lower segment;
+    - new content of a signature whose estimate is below ``low_reuse_ratio * g``: the tail
+      of the lower segment, so it is evicted before any other cached content;
+    - everything else — new content of other signatures, content hit before, content
+      recomputed from the ghost, the blocks of a preempted request (it comes back for
+      them) and of releases without a request: the tail of the upper segment, in the
+      design's LRU order.
+
+    With no history every estimate equals ``g``, so the queue starts out as
+    ``unhashed-first``. The learned table is :meth:`reuse_estimates`.
+    """
+
+    policy_name = "learned-reuse"
+    low_reuse_ratio = 0.5
+    prior_weight = 4.0
+    ghost_factor = 4
+    memory_factor = 8
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        super().__init__(blocks)
+        size = self.num_block_ids
+        self.is_new = bytearray(size)  # filled since taken, not yet released
+        # The signature that inserted the block's content, until its reuse is counted.
+        self.block_signature: list[int | None] = [None] * size
+        self.ghost: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> signature
+        self.max_ghost = self.ghost_factor * len(blocks)
+        self.memory = self.memory_factor * max(len(blocks), 1)
+        self.num_inserted: dict[int, float] = {}
+        self.num_reused: dict[int, float] = {}
+        self.total_inserted = 0.0
+        self.total_reused = 0.0
+
+    # -- learning ---------------------------------------------------------------------
+
+    def _credit(self, signature: int) -> None:
+        self.num_reused[signature] = self.num_reused.get(signature, 0.0) + 1.0
+        self.total_reused += 1.0
+
+    def _insert(self, signature: int, num_blocks: int) -> None:
+        self.num_inserted[signature] = self.num_inserted.get(signature, 0.0) + num_blocks
+        self.total_inserted += num_blocks
+        if self.total_inserted > self.memory:
+            for counts in (self.num_inserted, self.num_reused):
+                for key in counts:
+                    counts[key] /= 2.0
+            self.total_inserted /= 2.0
+            self.total_reused /= 2.0
+
+    def overall_reuse_rate(self) -> float:
+        """``g``: the share of all inserted content looked up again (1/2 with no data)."""
+        return (self.total_reused + 1.0) / (self.total_inserted + 2.0)
+
+    def estimated_reuse_rate(self, signature: int) -> float:
+        """The shrunk estimate of the share of ``signature``'s new content reused."""
+        prior = self.prior_weight
+        return ((self.num_reused.get(signature, 0.0) + prior * self.overall_reuse_rate())
+                / (self.num_inserted.get(signature, 0.0) + prior))
+
+    def is_low_reuse(self, signature: int) -> bool:
+        """Whether ``signature``'s new content is evicted before other cached content."""
+        return (self.estimated_reuse_rate(signature)
+                < self.low_reuse_ratio * self.overall_reuse_rate())
+
+    def reuse_estimates(self) -> dict[int, dict]:
+        """Per signature seen: inserted and reused block counts (decayed), the estimate,
+        and whether its new content is currently evicted first."""
+        return {
+            signature: {
+                "inserted": self.num_inserted[signature],
+                "reused": self.num_reused.get(signature, 0.0),
+                "estimated_reuse_rate": self.estimated_reuse_rate(signature),
+                "evicted_first": self.is_low_reuse(signature),
+            }
+            for signature in sorted(self.num_inserted)
+        }
+
+    # -- the hooks and the release order ---------------------------------------------------
+
+    def _on_taken(self, blocks: list[KVCacheBlock]) -> None:
+        is_new = self.is_new
+        block_signature = self.block_signature
+        ghost = self.ghost
+        for block in blocks:
+            block_id = block.block_id
+            signature = block_signature[block_id]
+            if signature is not None and block.block_hash is not None:
+                ghost[block.block_hash] = signature  # evicted before anyone reused it
+                ghost.move_to_end(block.block_hash)
+            block_signature[block_id] = None
+            is_new[block_id] = 1
+        while len(ghost) > self.max_ghost:
+            ghost.popitem(last=False)
+
+    def _on_hit(self, block: KVCacheBlock) -> None:
+        signature = self.block_signature[block.block_id]
+        if signature is not None:
+            self._credit(signature)
+            self.block_signature[block.block_id] = None
+
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
+        signature = None
+        if request is not None and request.status != RequestStatus.PREEMPTED:
+            signature = output_length_signature(request)
+        is_new = self.is_new
+        block_signature = self.block_signature
+        ghost = self.ghost
+        # First pass: which blocks bring new content of ``signature``; the second places
+        # every block, keeping the given order within each segment.
+        inserted = bytearray(len(blocks))
+        num_inserted = 0
+        for position, block in enumerate(blocks):
+            block_id = block.block_id
+            block_hash = block.block_hash
+            was_new = is_new[block_id]
+            is_new[block_id] = 0
+            if block_hash is None or not was_new:
+                continue
+            if block_hash in ghost:
+                self._credit(ghost.pop(block_hash))  # wanted again after its eviction
+            elif signature is not None:
+                block_signature[block_id] = signature
+                inserted[position] = 1
+                num_inserted += 1
+        evict_inserted_first = False
+        if num_inserted:
+            self._insert(signature, num_inserted)
+            evict_inserted_first = self.is_low_reuse(signature)
+        unhashed, lower, upper = [], [], []
+        for position, block in enumerate(blocks):
+            if block.block_hash is None:
+                unhashed.append(block)
+            elif evict_inserted_first and inserted[position]:
+                lower.append(block)
+            else:
+                upper.append(block)
+        if unhashed:
+            self.prepend_n(unhashed)
+        if lower:
+            self.append_n(lower)
+        if upper:
+            self.append_upper(upper)
 
 EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
     LRUFreeBlockQueue.policy_name: LRUFreeBlockQueue,
     UnhashedFirstFreeBlockQueue.policy_name: UnhashedFirstFreeBlockQueue,
     TwoQueueFreeBlockQueue.policy_name: TwoQueueFreeBlockQueue,
+    LearnedReuseFreeBlockQueue.policy_name: LearnedReuseFreeBlockQueue,
 }
 DEFAULT_EVICTION_POLICY = LRUFreeBlockQueue.policy_name
 

@@ -231,9 +231,11 @@ class Scheduler:
         # Victims come from the end of ``running``, past every request scheduled so far
         # this step, so nothing needs to be taken back out of ``output``.
         self.running.remove(request)
+        # Marked before the free: an eviction policy may treat a preempted request's
+        # blocks (which it will come back for) differently from a finished one's.
+        request.status = RequestStatus.PREEMPTED
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -164,7 +164,7 @@ class BeladyFreeBlockQueue(FreeKVCacheBlockQueue):
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         self.append_n(blocks)  # the order is the heap's, whatever the caller asks
 
-    def release(self, blocks: list[KVCacheBlock]) -> None:
+    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
         self.append_n(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:

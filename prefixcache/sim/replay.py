@@ -2,7 +2,8 @@
 
 Each admitted request is looked up (``get_computed_blocks``), allocated its prompt plus its
 decode slots in one ``allocate_slots`` call (a prefill is one step here: compute time is
-not modelled, only where KV lives), held while it is live, then freed. Two modes:
+not modelled, only where KV lives), given its ``output_length`` generated tokens, held
+while it is live, then freed. Two modes:
 
 sequential (``concurrency=C``)
     Requests are admitted in file order; at most ``C`` are live, and admitting one more
@@ -38,6 +39,7 @@ from prefixcache.sim.prepared import PreparedTrace
 BELADY = "belady"
 DEFAULT_DECODE_TOKENS_PER_S = 50.0
 _PROGRESS_EVERY = 64
+_PLACEHOLDER_TOKEN_ID = 0
 
 
 def policy_names() -> list[str]:
@@ -163,6 +165,11 @@ class _Replay:
         if new_blocks is None:
             return False
         request.num_computed_tokens = request.num_tokens
+        # Its decoding, as far as the cache can tell: the trace's output length in
+        # placeholder tokens (written into the reserved slots, never cached), so the freed
+        # request reports what it generated, as a finished one does in the engine.
+        request.append_output_token_ids([_PLACEHOLDER_TOKEN_ID]
+                                        * self.prepared.requests[index].output_length)
         self.num_admitted += 1
         self.num_hit_tokens += num_hit_tokens
         self.num_blocks_allocated += len(new_blocks)

@@ -108,12 +108,15 @@ def test_unhashed_first_keeps_cached_blocks_longer():
 
 
 def test_a_new_policy_plugs_into_the_registry(monkeypatch):
+    released_by = []
+
     class FifoFreeBlockQueue(FreeKVCacheBlockQueue):
         """Released blocks join the tail in table order (prefix first)."""
 
         policy_name = "fifo-test"
 
-        def release(self, blocks):
+        def release(self, blocks, request=None):
+            released_by.append(request)
             self.append_n(list(reversed(blocks)))
 
     monkeypatch.setitem(EVICTION_POLICIES, "fifo-test", FifoFreeBlockQueue)
@@ -122,6 +125,7 @@ def test_a_new_policy_plugs_into_the_registry(monkeypatch):
     schedule_prefill(mgr, r)
     mgr.free(r)
     assert free_ids(mgr) == [3, 4, 5, 0, 1, 2]
+    assert released_by == [r]  # the policy is told whose blocks it gets
 
 
 def test_unknown_policy_is_a_value_error_naming_the_choices():

@@ -139,7 +139,7 @@ def test_2q_protects_reused_content_and_puts_empty_blocks_first():
     taken[0].ref_cnt = 1
     queue.release([taken[0]])
     assert [b.block_id for b in queue.get_all_free_blocks()] == [3, 4, 5, 2, 1, 0]
-    assert queue.is_protected[0] == 1 and queue.protected.num_free_blocks == 1
+    assert queue.in_upper[0] == 1 and queue.upper.num_free_blocks == 1
     # Taking blocks drains probation before protected.
     assert [b.block_id for b in queue.popleft_n(5)] == [3, 4, 5, 2, 1]
     assert queue.num_free_blocks == 1
@@ -155,7 +155,7 @@ def test_2q_ghost_protects_content_recomputed_after_eviction():
         mgr.free(request)
     queue = mgr.block_pool.free_block_queue
     # The third request recomputed the evicted document: it comes back protected.
-    protected = {b.block_hash for b in queue.protected.get_all_free_blocks()}
+    protected = {b.block_hash for b in queue.upper.get_all_free_blocks()}
     assert protected == set(Request("x", doc, block_hasher=mgr.block_hasher).block_hashes)
 
 
@@ -167,5 +167,5 @@ def test_2q_demotes_beyond_its_protected_share():
         block.block_hash = bytes([block.block_id])
         queue.is_reused[block.block_id] = 1
     queue.release(taken)
-    assert queue.protected.num_free_blocks == 9 and queue.num_probation == 1
+    assert queue.upper.num_free_blocks == 9 and queue.num_lower == 1
     assert [b.block_id for b in queue.get_all_free_blocks()] == list(range(10))
