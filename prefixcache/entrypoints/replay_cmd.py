@@ -39,6 +39,12 @@ counts as all misses: hit rates are over the prompt tokens of every request.
 --sweep adds two reference curves: the infinite cache (never evicts; the ceiling) and
 Belady's offline optimum (same manager and admission, evicting the free block whose hash
 is next needed furthest in the future, deepest first on ties).
+
+Offline diagnostics (--policy): dead-first evicts first the content that is never looked
+up again, otherwise LRU; dead-once-first only such content used by one request so far,
+dead-repeat-first only such content already reused. They show how much of the gap to
+Belady a perfect predictor of dead content (of each kind) would close; they are never
+counted as the best online policy.
 """
 
 
@@ -78,8 +84,9 @@ def register(subparsers) -> None:
                         metavar="B", help="tokens per block (default %(default)s; must divide "
                                           "512 for Mooncake traces)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
-                        help="eviction policies: lru (default), unhashed-first, 2q; belady "
-                             "(offline) is also accepted")
+                        help="eviction policies: lru (default), unhashed-first, 2q, "
+                             "learned-reuse; offline: belady, and the diagnostics "
+                             "dead-first, dead-once-first, dead-repeat-first (see below)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
                       help="sequential mode: live requests at a time (default 1)")

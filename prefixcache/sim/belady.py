@@ -74,6 +74,11 @@ class FutureUses:
         k = bisect_right(uses, now)
         return uses[k] if k < len(uses) else NEVER
 
+    def num_uses_until(self, block_hash: BlockHash, now: int) -> int:
+        """How many useful accesses of ``block_hash`` admissions 0 .. ``now`` made."""
+        uses = self._hash_to_uses.get(block_hash)
+        return 0 if uses is None else bisect_right(uses, now)
+
     def depth(self, block_hash: BlockHash) -> int:
         return self._hash_to_depth.get(block_hash, 0)
 

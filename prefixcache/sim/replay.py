@@ -32,19 +32,29 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheManager, Request
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
+from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS, DeadContentFirstFreeBlockQueue
 from prefixcache.sim.prepared import PreparedTrace
 
 BELADY = "belady"
+# Offline references and diagnostics: free queues built with the trace's future, each with a
+# ``now`` attribute the replay keeps at the latest admission index.
+OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses], FreeKVCacheBlockQueue]] = {
+    BELADY: BeladyFreeBlockQueue,
+    **{name: (lambda blocks, future, kind=kind:
+              DeadContentFirstFreeBlockQueue(blocks, future, kind))
+       for name, kind in DEAD_CONTENT_KINDS.items()},
+}
 DEFAULT_DECODE_TOKENS_PER_S = 50.0
 _PROGRESS_EVERY = 64
 _PLACEHOLDER_TOKEN_ID = 0
 
 
 def policy_names() -> list[str]:
-    """Every policy a replay accepts: the core's online policies, then offline ``belady``."""
-    return [*EVICTION_POLICIES, BELADY]
+    """Every policy a replay accepts: the core's online policies, then the offline ones
+    (``belady`` and the dead-content diagnostics of :mod:`prefixcache.sim.dead_content`)."""
+    return [*EVICTION_POLICIES, *OFFLINE_POLICIES]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +127,7 @@ class _Replay:
         self.manager = KVCacheManager(
             config.num_blocks, expander.block_size, hash_algo=expander.hash_algo,
             hash_seed=expander.hash_seed,
-            eviction_policy="lru" if config.policy == BELADY else config.policy,
+            eviction_policy="lru" if config.policy in OFFLINE_POLICIES else config.policy,
         )
         blocks_needed = prepared.blocks_needed
         self.admissible = [i for i in range(len(prepared.requests))
@@ -128,15 +138,15 @@ class _Replay:
             if any(t is None for t in timestamps):
                 raise ValueError("the timeline mode needs a timestamp on every request")
             self.admissible.sort(key=lambda i: prepared.requests[i].timestamp_ms)
-        self.belady_queue: BeladyFreeBlockQueue | None = None
-        if config.policy == BELADY:
+        self.offline_queue = None
+        if config.policy in OFFLINE_POLICIES:
             future = FutureUses([prepared.block_hashes[i] for i in self.admissible],
                                 [prepared.max_hit_blocks[i] for i in self.admissible])
             pool = self.manager.block_pool
             # The free queue is the policy seam of the pool: swap in the offline one
             # before any block is used.
-            self.belady_queue = BeladyFreeBlockQueue(pool.blocks, future)
-            pool.free_block_queue = self.belady_queue
+            self.offline_queue = OFFLINE_POLICIES[config.policy](pool.blocks, future)
+            pool.free_block_queue = self.offline_queue
         self.num_admitted = 0
         self.num_hit_tokens = 0
         self.num_blocks_allocated = 0
@@ -156,8 +166,8 @@ class _Replay:
     def _try_admit(self, index: int, request: Request) -> bool:
         """Look up and allocate ``request``; False, with nothing changed, if it can't fit."""
         manager = self.manager
-        if self.belady_queue is not None:
-            self.belady_queue.now = self.num_admitted
+        if self.offline_queue is not None:
+            self.offline_queue.now = self.num_admitted
         blocks, num_hit_tokens = manager.get_computed_blocks(request)
         new_blocks = manager.allocate_slots(
             request, request.num_tokens - num_hit_tokens, num_hit_tokens, blocks,

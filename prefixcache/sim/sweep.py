@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from prefixcache.core import EVICTION_POLICIES
 from prefixcache.sim.prepared import PreparedTrace
 from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, replay
 
@@ -63,13 +64,15 @@ class SweepResult:
 
     def widest_gap(self, policy: str = "lru") -> dict | None:
         """Where Belady beats ``policy`` by most, and how much of that gap the best other
-        policy closes there. None without Belady figures."""
+        *online* policy closes there (offline diagnostics never count). None without
+        Belady figures."""
         if not self.belady_hit_rates or policy not in self.policy_to_hit_rates:
             return None
         base = self.policy_to_hit_rates[policy]
         gaps = [b - a for a, b in zip(base, self.belady_hit_rates, strict=True)]
         i = max(range(len(gaps)), key=gaps.__getitem__)
-        others = {p: rates[i] for p, rates in self.policy_to_hit_rates.items() if p != policy}
+        others = {p: rates[i] for p, rates in self.policy_to_hit_rates.items()
+                  if p != policy and p in EVICTION_POLICIES}
         best = max(others, key=others.__getitem__) if others else None
         gap = gaps[i]
         return {
