@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from prefixcache.core.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from prefixcache.core.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -19,11 +20,13 @@ from prefixcache.core.scheduler import (
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_DTYPE",
+    "DEFAULT_EVICTION_POLICY",
     "DEFAULT_HASH_ALGO",
     "DEFAULT_KV_CACHE_MEMORY_BYTES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "DTYPES",
+    "EVICTION_POLICIES",
     "CacheConfig",
     "ModelConfig",
     "SchedulerConfig",
@@ -63,6 +66,8 @@ class CacheConfig:
     The pool size is ``num_kv_blocks`` when given, otherwise as many blocks as fit in
     ``kv_cache_memory_bytes`` — capped at what ``max_num_seqs`` sequences of the model's full
     context could ever use, so a tiny model does not get millions of idle blocks.
+    ``eviction_policy`` names the free-queue order that decides which cached block is
+    evicted first (see :mod:`prefixcache.core.eviction`).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -71,6 +76,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     hash_algo: str = DEFAULT_HASH_ALGO
     enable_kv_events: bool = False
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -89,4 +95,12 @@ class CacheConfig:
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(
                 f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        # The isinstance check first: the registry is a dict, and a list is unhashable.
+        if not isinstance(self.eviction_policy, str) or (
+            self.eviction_policy not in EVICTION_POLICIES
+        ):
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                f"got {self.eviction_policy!r}"
             )

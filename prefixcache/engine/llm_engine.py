@@ -24,6 +24,7 @@ import torch
 from prefixcache.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DTYPE,
+    DEFAULT_EVICTION_POLICY,
     DEFAULT_HASH_ALGO,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -87,6 +88,7 @@ class LLMEngine:
             hash_algo=cache_config.hash_algo,
             hash_seed=hash_seed,
             enable_events=cache_config.enable_kv_events,
+            eviction_policy=cache_config.eviction_policy,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(
@@ -116,6 +118,7 @@ class LLMEngine:
         enable_chunked_prefill: bool = True,
         hash_algo: str = DEFAULT_HASH_ALGO,
         hash_seed: str | None = None,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
         seed: int | None = None,
         enable_kv_events: bool = False,
     ) -> LLMEngine:
@@ -125,7 +128,9 @@ class LLMEngine:
         Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
         by engines compared side by side; its weights are then used in their own dtype).
         ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
-        prefix-cache block hashes.
+        prefix-cache block hashes. ``eviction_policy`` (one of
+        :data:`~prefixcache.core.EVICTION_POLICIES`, default ``lru``) decides which free
+        cached block is evicted first; see :mod:`prefixcache.core.eviction`.
 
         The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
         ``kv_cache_memory_bytes`` (default 2 GiB: ~2,900 blocks of 16 tokens, ~46k tokens,
@@ -154,6 +159,7 @@ class LLMEngine:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             hash_algo=hash_algo,
             enable_kv_events=enable_kv_events,
+            eviction_policy=eviction_policy,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -12,6 +12,7 @@ from typing import Any
 from prefixcache.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DTYPE,
+    DEFAULT_EVICTION_POLICY,
     DEFAULT_HASH_ALGO,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -39,6 +40,9 @@ class LLM:
     its keywords (``enable_chunked_prefill``, ``hash_seed``, ``enable_kv_events``) pass
     through ``engine_options``. Raises ValueError for a bad option or a model that cannot
     be loaded, FileNotFoundError for a missing one.
+
+    ``eviction_policy`` picks which free cached block is evicted first when the KV pool is
+    full (a name in :data:`~prefixcache.core.EVICTION_POLICIES`; default ``lru``).
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class LLM:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         hash_algo: str = DEFAULT_HASH_ALGO,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
         seed: int | None = None,
         **engine_options: Any,
     ) -> None:
@@ -60,8 +65,8 @@ class LLM:
             model, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, hash_algo=hash_algo, seed=seed,
-            **engine_options)
+            max_num_batched_tokens=max_num_batched_tokens, hash_algo=hash_algo,
+            eviction_policy=eviction_policy, seed=seed, **engine_options)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from prefixcache.core import EVICTION_POLICIES
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_all_blocks_free, random_tokens, run_to_completion
 
@@ -114,8 +115,12 @@ def test_abort_is_delivered_even_when_nothing_else_runs(engine, prompt):
     assert_all_blocks_free(engine)
 
 
-def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model):
-    engine = make_engine(block_size=4, num_kv_blocks=20, max_num_batched_tokens=8)
+@pytest.mark.parametrize("eviction_policy", list(EVICTION_POLICIES))
+def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model, eviction_policy):
+    engine = make_engine(block_size=4, num_kv_blocks=20, max_num_batched_tokens=8,
+                         eviction_policy=eviction_policy)
+    block_pool = engine.kv_cache_manager.block_pool
+    assert type(block_pool.free_block_queue) is EVICTION_POLICIES[eviction_policy]
     rng = random.Random(9)
     vocab_size = tiny_model.arch_config.vocab_size
     for i in range(10):
@@ -125,7 +130,23 @@ def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model):
     finals = run_to_completion(engine)
     assert len(finals) == 10
     assert engine.get_stats().num_preemptions > 0
+    assert block_pool.num_evictions > 0
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("eviction_policy,expected_free_block_ids", [
+    # The design's order: the released table, reversed, joins the tail.
+    ("lru", [3, 4, 5, 6, 7, 2, 1, 0]),
+    # vLLM 0.33's: the uncached partial block 2 is reused before anything else.
+    ("unhashed-first", [2, 3, 4, 5, 6, 7, 1, 0]),
+])
+def test_the_eviction_policy_orders_a_finished_requests_blocks(
+        make_engine, prompt, eviction_policy, expected_free_block_ids):
+    engine = make_engine(block_size=4, num_kv_blocks=8, eviction_policy=eviction_policy)
+    generate(engine, prompt, temperature=0, max_tokens=1)  # 10 tokens: blocks 0, 1, 2 (half)
+    free_blocks = engine.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
+    assert [block.block_id for block in free_blocks] == expected_free_block_ids
+    assert [block.block_id for block in free_blocks if block.block_hash is not None] == [1, 0]
 
 
 @pytest.mark.parametrize("case,match", [

@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from prefixcache import LLM, RequestOutput, SamplingParams
+from prefixcache.config import CacheConfig
+from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -75,15 +77,18 @@ def test_constructor_takes_the_engine_options_by_name(tiny_model):
     parameters = inspect.signature(LLM).parameters
     for name in ("model", "enable_prefix_caching", "block_size", "num_kv_blocks",
                  "kv_cache_memory_bytes", "dtype", "max_num_seqs", "max_num_batched_tokens",
-                 "hash_algo", "seed"):
+                 "hash_algo", "eviction_policy", "seed"):
         assert name in parameters
     llm = LLM(tiny_model, enable_prefix_caching=False, block_size=8, num_kv_blocks=32,
-              max_num_seqs=2, max_num_batched_tokens=64, hash_algo="sha256_cbor", seed=3,
-              enable_chunked_prefill=False)
+              max_num_seqs=2, max_num_batched_tokens=64, hash_algo="sha256_cbor",
+              eviction_policy="2q", seed=3, enable_chunked_prefill=False)
     engine = llm.engine
     assert (engine.block_size, engine.num_kv_blocks) == (8, 32)
     assert engine.scheduler_config.max_num_seqs == 2
     assert not engine.cache_config.enable_prefix_caching
+    assert engine.kv_cache_manager.block_pool.eviction_policy == "2q"
+    default_engine = LLM(tiny_model, num_kv_blocks=8).engine
+    assert default_engine.kv_cache_manager.block_pool.eviction_policy == "lru"
 
 
 @pytest.mark.parametrize("options,match", [
@@ -93,10 +98,21 @@ def test_constructor_takes_the_engine_options_by_name(tiny_model):
     ({"dtype": "float16"}, "dtype"),
     ({"block_size": 0}, "block_size"),
     ({"hash_algo": "md5"}, "hash_algo"),
+    ({"eviction_policy": "mru"}, "eviction_policy"),
 ])
 def test_bad_options_are_value_errors_naming_the_option(tiny_model, options, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model, **options)
+
+
+@pytest.mark.parametrize("policy", ["mru", "LRU", "", None, ["lru"]])
+def test_cache_config_rejects_an_unknown_eviction_policy_naming_the_choices(policy):
+    with pytest.raises(ValueError) as excinfo:
+        CacheConfig(eviction_policy=policy)
+    message = str(excinfo.value)
+    assert message.startswith("eviction_policy must be one of ")
+    assert message.endswith(f", got {policy!r}")
+    assert all(name in message for name in EVICTION_POLICIES)
 
 
 def test_a_file_that_is_not_a_model_is_a_value_error_naming_it(tmp_path):

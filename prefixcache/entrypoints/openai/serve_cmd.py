@@ -10,7 +10,12 @@ import argparse
 import logging
 import sys
 
-from prefixcache.config import DTYPES, HASH_ALGOS
+from prefixcache.config import (
+    DEFAULT_EVICTION_POLICY,
+    DTYPES,
+    EVICTION_POLICIES,
+    HASH_ALGOS,
+)
 from prefixcache.entrypoints.arg_types import byte_size, port, positive_int
 
 logger = logging.getLogger("prefixcache.serve")
@@ -74,6 +79,12 @@ def register(subparsers) -> None:
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=True, help="reuse cached KV blocks across requests")
     eng.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
+    eng.add_argument("--eviction-policy", default=DEFAULT_EVICTION_POLICY,
+                     choices=list(EVICTION_POLICIES),
+                     help="which free cached block is evicted first: lru (the design's "
+                          "order), unhashed-first (vLLM 0.33's order), 2q (protects "
+                          "content referenced twice), learned-reuse (learns which kinds of "
+                          "requests leave reused content) (default: %(default)s)")
     eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                      type=positive_int, default=None,
                      help="KV pool size in blocks (overrides --kv-cache-memory)")
@@ -110,6 +121,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "num_kv_blocks": args.num_kv_blocks,
         "dtype": args.dtype,
         "hash_algo": args.prefix_caching_hash_algo,
+        "eviction_policy": args.eviction_policy,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "seed": args.seed,
     }
