@@ -4,10 +4,14 @@
    rate per capacity for every online policy, Belady's offline optimum and the infinite
    cache; the capacity where Belady beats LRU by most, and the fraction of that gap the
    best online policy closes.
-2. The trace's reuse hazard (:mod:`prefixcache.sim.reuse`): how likely content seen once,
+2. At that capacity, the offline dead-content diagnostics (:mod:`prefixcache.sim.dead_content`):
+   how much of the gap knowing which content is never used again would close — all of it,
+   content seen by one request only, content already reused — against the best online
+   policy.
+3. The trace's reuse hazard (:mod:`prefixcache.sim.reuse`): how likely content seen once,
    or seen again, is to be looked up within the next 100 requests, by age — what limits
    every online policy.
-3. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
+4. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
    and 16: reading the trace, hashing (expansion), and the replay itself.
 
     python benchmarks/replay_policies.py [--quick] [--trace PATH]
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
@@ -73,6 +78,15 @@ def main() -> int:
     result = sweep(prepared, capacities, policies)
     sweep_s = time.perf_counter() - started
 
+    widest = result.widest_gap()
+    diagnostics = {}
+    if widest is not None:
+        lru, belady = widest["baseline_hit_rate"], widest["belady_hit_rate"]
+        for name in DEAD_CONTENT_KINDS:
+            rate = replay(prepared, ReplayConfig(widest["capacity_blocks"], name)).hit_rate
+            diagnostics[name] = {"hit_rate": round(rate, 5),
+                                 "fraction_of_gap_closed": round((rate - lru) / (belady - lru), 4)}
+
     output = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "trace": str(args.trace),
@@ -86,9 +100,10 @@ def main() -> int:
             "policy_hit_rates": {p: [round(r, 5) for r in rates]
                                  for p, rates in result.policy_to_hit_rates.items()},
             "ordering_violations": result.ordering_violations,
-            "widest_gap": result.widest_gap(),
+            "widest_gap": widest,
             "wall_s": round(sweep_s, 1),
         },
+        "dead_content_diagnostics_at_widest_gap": diagnostics,
         "reuse_hazard": reuse_hazard(prepared).to_dict(),
         "replay_wall_time": [timed_replay(args.trace, 512), timed_replay(args.trace, 16)],
     }
