@@ -308,6 +308,7 @@ class BlockPool:
             block.block_hash = None
         if self.block_contents is not None:
             self.block_contents = [None] * self.num_blocks
+        self.free_block_queue.forget_cached_content()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -73,9 +73,11 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
 
     ``in_upper[block_id]`` says which segment a free block is in (the pool's blocks are
     numbered 0 .. num_blocks - 1); ``num_lower`` counts the lower segment and
-    ``num_free_blocks`` both. Two hooks see what passes through: :meth:`_on_taken` the
-    blocks about to be reused for new content (their old hashes still set) and
-    :meth:`_on_hit` a free block a request is about to hit.
+    ``num_free_blocks`` both. The inherited ``append``/``append_n``/``prepend_n`` act on
+    the *lower* segment (so "tail" there is still evicted before every upper block);
+    :meth:`append_upper` fills the upper one. Two hooks see what passes through:
+    :meth:`_on_taken` the blocks about to be reused for new content (their old hashes
+    still set) and :meth:`_on_hit` a free block a request has just hit.
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -114,7 +116,6 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         return self.popleft_n(1)[0]
 
     def remove(self, block: KVCacheBlock) -> None:
-        self._on_hit(block)
         if self.in_upper[block.block_id]:
             self.in_upper[block.block_id] = 0
             self.upper.remove(block)
@@ -122,6 +123,7 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         else:
             super().remove(block)
             self.num_lower -= 1
+        self._on_hit(block)
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         super().append_n(blocks)
@@ -193,6 +195,10 @@ class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
     def _on_hit(self, block: KVCacheBlock) -> None:
         self.is_reused[block.block_id] = 1
 
+    def forget_cached_content(self) -> None:
+        self.ghost.clear()
+        self.is_reused = bytearray(self.num_block_ids)
+
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         is_reused = self.is_reused
         ghost = self.ghost
@@ -244,11 +250,17 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     cached blocks released with content *new* to the cache (filled since the block was last
     taken: nobody released it before), and how many of those were looked up again — hit
     while free, or recomputed while the hash is in the *ghost* list of recently evicted,
-    never-reused content (the last ``ghost_factor * num_blocks`` such hashes). Its reuse
-    rate is estimated as ``(reused + prior_weight * g) / (inserted + prior_weight)``,
-    shrunk towards the overall rate ``g``. Counts are halved whenever
-    ``memory_factor * num_blocks`` insertions have accumulated, so the estimates follow
-    changing traffic.
+    never-reused content (the last ``ghost_factor * num_blocks`` such hashes, about 100
+    bytes each). Its reuse rate is estimated as
+    ``(reused + prior_weight * g) / (inserted + prior_weight)``, shrunk towards the
+    overall rate ``g``. Whenever the counted insertions pass ``memory_factor *
+    num_blocks``, every count is halved (then again every half of that), so the estimates
+    follow changing traffic; a reuse is credited with the weight its insertion has left.
+
+    What it cannot see: hits on a block while another request still holds it (the pool
+    does not tell the free queue), and who filled a block — new content shared while in use
+    is attributed to the request that releases it last. A trace or workload without
+    output lengths puts every request in signature 0, and the queue is ``unhashed-first``.
 
     Where released blocks go:
 
@@ -257,11 +269,13 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
       of the lower segment, so it is evicted before any other cached content;
     - everything else — new content of other signatures, content hit before, content
       recomputed from the ghost, the blocks of a preempted request (it comes back for
-      them) and of releases without a request: the tail of the upper segment, in the
-      design's LRU order.
+      them; its new content stays new, to be judged when the request finally finishes)
+      and of releases without a request: the tail of the upper segment, in the design's
+      LRU order.
 
     With no history every estimate equals ``g``, so the queue starts out as
-    ``unhashed-first``. The learned table is :meth:`reuse_estimates`.
+    ``unhashed-first``. The learned table is :meth:`reuse_estimates`. A prefix-cache reset
+    forgets the ghost and the pending insertions, not the learned counts.
     """
 
     policy_name = "learned-reuse"
@@ -274,22 +288,27 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         blocks = list(blocks)
         super().__init__(blocks)
         size = self.num_block_ids
-        self.is_new = bytearray(size)  # filled since taken, not yet released
-        # The signature that inserted the block's content, until its reuse is counted.
+        self.is_new = bytearray(size)  # filled since taken, not yet released as finished
+        # The signature that inserted the block's content, until its reuse is counted, and
+        # how many halvings had happened then (the insertion's weight is 2 ** -(now - then)).
         self.block_signature: list[int | None] = [None] * size
-        self.ghost: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> signature
+        self.block_epoch = [0] * size
+        # Hash -> (signature, epoch) of content evicted before anyone reused it.
+        self.ghost: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
         self.max_ghost = self.ghost_factor * len(blocks)
         self.memory = self.memory_factor * max(len(blocks), 1)
         self.num_inserted: dict[int, float] = {}
         self.num_reused: dict[int, float] = {}
         self.total_inserted = 0.0
         self.total_reused = 0.0
+        self.num_halvings = 0
 
     # -- learning ---------------------------------------------------------------------
 
-    def _credit(self, signature: int) -> None:
-        self.num_reused[signature] = self.num_reused.get(signature, 0.0) + 1.0
-        self.total_reused += 1.0
+    def _credit(self, signature: int, epoch: int) -> None:
+        weight = 0.5 ** (self.num_halvings - epoch)
+        self.num_reused[signature] = self.num_reused.get(signature, 0.0) + weight
+        self.total_reused += weight
 
     def _insert(self, signature: int, num_blocks: int) -> None:
         self.num_inserted[signature] = self.num_inserted.get(signature, 0.0) + num_blocks
@@ -300,6 +319,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
                     counts[key] /= 2.0
             self.total_inserted /= 2.0
             self.total_reused /= 2.0
+            self.num_halvings += 1
 
     def overall_reuse_rate(self) -> float:
         """``g``: the share of all inserted content looked up again (1/2 with no data)."""
@@ -339,7 +359,9 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             block_id = block.block_id
             signature = block_signature[block_id]
             if signature is not None and block.block_hash is not None:
-                ghost[block.block_hash] = signature  # evicted before anyone reused it
+                # Evicted before anyone reused it. (Rarely, a duplicate of the hash is
+                # still in use; its release then counts as a reuse — harmless noise.)
+                ghost[block.block_hash] = (signature, self.block_epoch[block_id])
                 ghost.move_to_end(block.block_hash)
             block_signature[block_id] = None
             is_new[block_id] = 1
@@ -349,15 +371,22 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     def _on_hit(self, block: KVCacheBlock) -> None:
         signature = self.block_signature[block.block_id]
         if signature is not None:
-            self._credit(signature)
+            self._credit(signature, self.block_epoch[block.block_id])
             self.block_signature[block.block_id] = None
 
+    def forget_cached_content(self) -> None:
+        self.ghost.clear()
+        self.block_signature = [None] * self.num_block_ids
+        self.is_new = bytearray(self.num_block_ids)
+
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
-        signature = None
-        if request is not None and request.status != RequestStatus.PREEMPTED:
-            signature = output_length_signature(request)
+        if request is not None and request.status == RequestStatus.PREEMPTED:
+            self._release_preempted(blocks)
+            return
+        signature = None if request is None else output_length_signature(request)
         is_new = self.is_new
         block_signature = self.block_signature
+        block_epoch = self.block_epoch
         ghost = self.ghost
         # First pass: which blocks bring new content of ``signature``; the second places
         # every block, keeping the given order within each segment.
@@ -371,9 +400,10 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             if block_hash is None or not was_new:
                 continue
             if block_hash in ghost:
-                self._credit(ghost.pop(block_hash))  # wanted again after its eviction
+                self._credit(*ghost.pop(block_hash))  # wanted again after its eviction
             elif signature is not None:
                 block_signature[block_id] = signature
+                block_epoch[block_id] = self.num_halvings
                 inserted[position] = 1
                 num_inserted += 1
         evict_inserted_first = False
@@ -394,6 +424,18 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             self.append_n(lower)
         if upper:
             self.append_upper(upper)
+
+    def _release_preempted(self, blocks: list[KVCacheBlock]) -> None:
+        """Keep a preempted request's content, and its newness, for when it comes back."""
+        unhashed = [block for block in blocks if block.block_hash is None]
+        is_new = self.is_new
+        for block in unhashed:
+            is_new[block.block_id] = 0  # nothing in it to judge later
+        if unhashed:
+            self.prepend_n(unhashed)
+        hashed = [block for block in blocks if block.block_hash is not None]
+        if hashed:
+            self.append_upper(hashed)
 
 EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
     LRUFreeBlockQueue.policy_name: LRUFreeBlockQueue,

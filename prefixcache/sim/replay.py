@@ -176,8 +176,9 @@ class _Replay:
             return False
         request.num_computed_tokens = request.num_tokens
         # Its decoding, as far as the cache can tell: the trace's output length in
-        # placeholder tokens (written into the reserved slots, never cached), so the freed
-        # request reports what it generated, as a finished one does in the engine.
+        # placeholder tokens (never cached: no allocation follows), so the freed request
+        # reports what it generated, as a finished one does in the engine. A trace without
+        # output lengths gives every request signature 0 for learned-reuse.
         request.append_output_token_ids([_PLACEHOLDER_TOKEN_ID]
                                         * self.prepared.requests[index].output_length)
         self.num_admitted += 1

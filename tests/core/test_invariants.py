@@ -23,6 +23,8 @@ from prefixcache.core import (
     KVCacheManager,
     Request,
 )
+from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
+from prefixcache.core.request import RequestStatus
 from tests.core.helpers import snapshot
 
 BLOCK_SIZE = 4
@@ -35,6 +37,18 @@ PREFIXES = [
 ]
 SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_links_agree(queue, expected_order) -> None:
+    """Walking ``queue``'s list backwards from its tail sentinel gives ``expected_order``
+    reversed, and ends at its head sentinel."""
+    node = queue.fake_free_list_tail
+    backward = []
+    while node.prev_free_block is not None:
+        node = node.prev_free_block
+        backward.append(node)
+    assert node is queue.fake_free_list_head
+    assert backward[:-1] == list(reversed(expected_order))
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -140,6 +154,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         req = self.running.pop(data.draw(st.sampled_from(self.ids())))
+        # Finished or preempted: a policy may treat the two differently (learned-reuse).
+        req.status = data.draw(st.sampled_from(
+            [RequestStatus.FINISHED_STOPPED, RequestStatus.PREEMPTED]))
         self.mgr.free(req)
         assert self.mgr.get_block_ids(req.request_id) == []
 
@@ -181,17 +198,18 @@ class ManagerMachine(RuleBasedStateMachine):
             assert (block.ref_cnt == 0) == (block.block_id in free_ids)
             if block.ref_cnt:
                 assert block.prev_free_block is None and block.next_free_block is None
-        if self.policy not in ("lru", "unhashed-first"):
-            return  # other policies may keep several lists; the contract above still holds
-        # the links agree both ways
-        node = queue.fake_free_list_tail
-        backward = []
-        while node.prev_free_block is not None:
-            node = node.prev_free_block
-            backward.append(node)
-        assert node is queue.fake_free_list_head
-        assert backward[:-1] == list(reversed(free))
         assert math.isclose(self.mgr.usage, (NUM_BLOCKS - len(free)) / NUM_BLOCKS)
+        if isinstance(queue, TwoSegmentFreeBlockQueue):
+            # Two linked lists, lower then upper, each consistent both ways.
+            lower = free[:queue.num_lower]
+            upper = free[queue.num_lower:]
+            assert len(upper) == queue.upper.num_free_blocks
+            assert_links_agree(queue, lower)
+            assert_links_agree(queue.upper, upper)
+            for block in pool.blocks:
+                assert queue.in_upper[block.block_id] == (block in upper)
+        else:
+            assert_links_agree(queue, free)
 
     @invariant()
     def ref_counts_equal_table_membership(self):
@@ -304,10 +322,15 @@ for _case in (TestLRU, TestUnhashedFirst, TestGuardedLRU, TestGuardedUnhashedFir
     _case.settings = SETTINGS
 del _case
 
-# Every other registered policy (the seam for new ones) must keep the same contract.
+# Every other registered policy (the seam for new ones) must keep the same contract, with
+# and without the collision guard.
 for _name in sorted(set(EVICTION_POLICIES) - {"lru", "unhashed-first"}):
-    _machine = type(f"Policy_{_name}_Machine", (ManagerMachine,), {"policy": _name})
-    _test = _machine.TestCase
-    _test.settings = SETTINGS
-    globals()[f"TestPolicy_{_name.replace('-', '_')}"] = _test
-    del _machine, _test
+    for _guard in (False, True):
+        _label = ("Guarded" if _guard else "") + _name.replace("-", "_")
+        _machine = type(f"Policy_{_label}_Machine", (ManagerMachine,),
+                        {"policy": _name, "guard": _guard})
+        _test = _machine.TestCase
+        _test.settings = SETTINGS
+        globals()[f"TestPolicy_{_label}"] = _test
+        del _machine, _test, _label
+del _guard

@@ -205,3 +205,61 @@ def check_invariants(mgr) -> None:
             block.block_id in {b.block_id for b in queue.upper.get_all_free_blocks()})
         if block.block_hash is not None:
             assert block in pool.cached_block_hash_to_block.get_all_blocks(block.block_hash)
+
+
+def test_a_preempted_request_is_judged_when_it_finally_finishes():
+    mgr = make_manager(num_blocks=64, block_size=4, eviction_policy="learned-reuse")
+    teach(mgr, 6)
+    long_signature = LONG.bit_length()
+    inserted_before = queue_of(mgr).reuse_estimates()[long_signature]["inserted"]
+    request = Request("p", seq(70_000, 8) + [1])
+    schedule_prefill(mgr, request)
+    request.status = RequestStatus.PREEMPTED
+    mgr.free(request)
+    # It comes back, hits its own blocks, generates, finishes.
+    request.status = RequestStatus.WAITING
+    request.num_computed_tokens = 0
+    num_hit, _ = schedule_prefill(mgr, request)
+    assert num_hit == 8
+    request.append_output_token_ids([7] * LONG)
+    assert mgr.allocate_slots(request, LONG) is not None
+    request.num_computed_tokens = request.num_tokens
+    request.status = RequestStatus.FINISHED_LENGTH
+    mgr.free(request)
+    queue = queue_of(mgr)
+    # Its prompt blocks were new content all along: counted now, and evicted first.
+    assert queue.reuse_estimates()[long_signature]["inserted"] > inserted_before
+    lower = {b.block_hash for b in queue.get_all_free_blocks()[:queue.num_lower]}
+    assert set(request.block_hashes[:2]) <= lower
+
+
+def test_a_reuse_is_credited_with_the_weight_its_insertion_has_left():
+    queue = LearnedReuseFreeBlockQueue([KVCacheBlock(i) for i in range(2)])  # memory 16
+    taken = queue.popleft_n(2)
+    for block in taken:
+        block.block_hash = b"h%d" % block.block_id
+    request = Request("r", [1])
+    request.status = RequestStatus.FINISHED_STOPPED
+    queue.release(taken, request)  # signature 0, 2 insertions
+    for _ in range(8):
+        queue._insert(5, 2)  # passes the memory: every count halves once
+    assert queue.num_halvings == 1 and queue.num_inserted[0] == 1.0
+    queue.remove(taken[0])
+    queue.remove(taken[1])
+    # Two hits on content inserted before the halving count as one insertion's worth.
+    assert queue.num_reused[0] == 1.0 <= queue.num_inserted[0]
+
+
+def test_a_reset_forgets_cached_content_but_keeps_what_was_learned():
+    mgr = make_manager(num_blocks=4, block_size=4, eviction_policy="learned-reuse")
+    run_request(mgr, "a", seq(0, 8) + [1], SHORT)
+    run_request(mgr, "b", seq(100, 8) + [1], SHORT)  # evicts "a"'s document: in the ghost
+    queue = queue_of(mgr)
+    learned = queue.reuse_estimates()
+    assert queue.ghost and any(s is not None for s in queue.block_signature)
+    assert mgr.reset_prefix_cache()
+    assert not queue.ghost and all(s is None for s in queue.block_signature)
+    assert queue.reuse_estimates() == learned
+    # Asked for again after the reset: new content, not a reuse of the forgotten copy.
+    run_request(mgr, "c", seq(0, 8) + [1], SHORT)
+    assert queue.reuse_estimates()[SHORT.bit_length()]["reused"] == 0
