@@ -239,6 +239,11 @@ def output_length_signature(request: Request) -> int:
     return request.num_output_tokens.bit_length()
 
 
+def output_length_range(signature: int) -> tuple[int, int]:
+    """The numbers of generated tokens (lowest, highest) that have ``signature``."""
+    return (0, 0) if signature == 0 else (1 << (signature - 1), (1 << signature) - 1)
+
+
 class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     """Evicts first the new content of the kinds of requests that rarely leave reusable
     content, learning online which kinds those are.
@@ -337,10 +342,12 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 < self.low_reuse_ratio * self.overall_reuse_rate())
 
     def reuse_estimates(self) -> dict[int, dict]:
-        """Per signature seen: inserted and reused block counts (decayed), the estimate,
-        and whether its new content is currently evicted first."""
+        """Per signature seen: the generated-token range it stands for, inserted and reused
+        block counts (decayed), the estimate, and whether its new content is currently
+        evicted first."""
         return {
             signature: {
+                "output_tokens": output_length_range(signature),
                 "inserted": self.num_inserted[signature],
                 "reused": self.num_reused.get(signature, 0.0),
                 "estimated_reuse_rate": self.estimated_reuse_rate(signature),

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheManager, Request
+from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS, DeadContentFirstFreeBlockQueue
 from prefixcache.sim.prepared import PreparedTrace
@@ -110,6 +111,9 @@ class ReplayResult:
     replay_seconds: float
     requests_per_s: float
     blocks_per_s: float
+    # What a learning policy learned by the end (learned-reuse: its per-signature table,
+    # see LearnedReuseFreeBlockQueue.reuse_estimates, and the overall reuse rate).
+    policy_state: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,7 +231,18 @@ class _Replay:
             replay_seconds=elapsed,
             requests_per_s=self.num_admitted / elapsed if elapsed > 0 else 0.0,
             blocks_per_s=blocks_in_tables / elapsed if elapsed > 0 else 0.0,
+            policy_state=self._policy_state(),
         )
+
+    def _policy_state(self) -> dict | None:
+        queue = self.manager.block_pool.free_block_queue
+        if not isinstance(queue, LearnedReuseFreeBlockQueue):
+            return None
+        return {
+            "overall_reuse_rate": queue.overall_reuse_rate(),
+            "signatures": [{"signature": signature, **row}
+                           for signature, row in queue.reuse_estimates().items()],
+        }
 
     def _run_sequential(self) -> float:
         manager = self.manager

@@ -40,7 +40,26 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
                               f"{result.blocks_per_s:,.0f} blocks/s"),
     ]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    if result.policy_state is not None:
+        text += "\n\n" + format_learned_reuse(result.policy_state)
+    return text
+
+
+def format_learned_reuse(state: dict) -> str:
+    """learned-reuse's table: per range of generated tokens, the new content its requests
+    cached, how much of it was looked up again, and whether it is now evicted first."""
+    lines = [f"learned-reuse: new content by tokens generated (overall reuse rate "
+             f"{100 * state['overall_reuse_rate']:.1f} %; counts decay)",
+             f"{'tokens generated':>16}  {'blocks':>9}  {'reused':>9}  {'estimate':>8}  "
+             f"evicted first"]
+    for row in state["signatures"]:
+        low, high = row["output_tokens"]
+        tokens = str(low) if low == high else f"{low}-{high}"
+        lines.append(f"{tokens:>16}  {row['inserted']:>9,.0f}  {row['reused']:>9,.0f}  "
+                     f"{100 * row['estimated_reuse_rate']:>7.1f}%  "
+                     f"{'yes' if row['evicted_first'] else 'no'}")
+    return "\n".join(lines)
 
 
 def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) -> str:

@@ -39,6 +39,27 @@ def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, cap
         assert 0 < run["mean_usage"] <= run["peak_usage"] <= 1
 
 
+def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["replay", str(small_trace), "--num-blocks", "1000", "--block-size", "512",
+                 "--policy", "lru,learned-reuse", "--json", str(out), "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "learned-reuse: new content by tokens generated" in text
+    assert text.count("evicted first") == 1  # only the learned-reuse run has a table
+    lru, learned = json.loads(out.read_text())["runs"]
+    assert lru["policy_state"] is None
+    rows = learned["policy_state"]["signatures"]
+    assert rows and all(0 <= row["reused"] <= row["inserted"] for row in rows)
+    # Each row covers the output lengths of its signature, and the trace's long
+    # generations (>= 256 tokens) leave content that is evicted first.
+    for row in rows:
+        low, high = row["output_tokens"]
+        assert low == high == 0 if row["signature"] == 0 else \
+            (low, high) == (2 ** (row["signature"] - 1), 2 ** row["signature"] - 1)
+    assert any(row["evicted_first"] for row in rows if row["output_tokens"][0] >= 256)
+
+
 def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code = main(["replay", str(small_trace), "--sweep", "1000,300", "--block-size", "256",
