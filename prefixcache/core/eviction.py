@@ -136,6 +136,18 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         super().prepend_n(blocks)
         self.num_lower += len(blocks)
 
+    def place(self, unhashed: list[KVCacheBlock], lower: list[KVCacheBlock],
+              upper: list[KVCacheBlock]) -> None:
+        """Put released blocks in the usual three places, each list keeping its order:
+        ``unhashed`` (holding nothing) at the head of lower, ``lower`` at its tail,
+        ``upper`` at the tail of upper."""
+        if unhashed:
+            self.prepend_n(unhashed)
+        if lower:
+            self.append_n(lower)
+        if upper:
+            self.append_upper(upper)
+
     def append_upper(self, blocks: list[KVCacheBlock]) -> None:
         """Append ``blocks`` to the tail of the upper segment."""
         in_upper = self.in_upper
@@ -215,12 +227,9 @@ class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 protected.append(block)
             else:
                 probation.append(block)
-        if unhashed:
-            self.prepend_n(unhashed)
-        if probation:
-            self.append_n(probation)
+        self.place(unhashed, probation, [])
         if protected:
-            self._protect(protected)
+            self._protect(protected)  # the upper segment, with 2q's cap
 
     def _protect(self, blocks: list[KVCacheBlock]) -> None:
         self.append_upper(blocks)
@@ -425,12 +434,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 lower.append(block)
             else:
                 upper.append(block)
-        if unhashed:
-            self.prepend_n(unhashed)
-        if lower:
-            self.append_n(lower)
-        if upper:
-            self.append_upper(upper)
+        self.place(unhashed, lower, upper)
 
     def _release_preempted(self, blocks: list[KVCacheBlock]) -> None:
         """Keep a preempted request's content, and its newness, for when it comes back."""
@@ -438,11 +442,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         is_new = self.is_new
         for block in unhashed:
             is_new[block.block_id] = 0  # nothing in it to judge later
-        if unhashed:
-            self.prepend_n(unhashed)
-        hashed = [block for block in blocks if block.block_hash is not None]
-        if hashed:
-            self.append_upper(hashed)
+        self.place(unhashed, [], [block for block in blocks if block.block_hash is not None])
 
 EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
     LRUFreeBlockQueue.policy_name: LRUFreeBlockQueue,

@@ -69,9 +69,4 @@ class DeadContentFirstFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 dead.append(block)
             else:
                 alive.append(block)
-        if unhashed:
-            self.prepend_n(unhashed)
-        if dead:
-            self.append_n(dead)
-        if alive:
-            self.append_upper(alive)
+        self.place(unhashed, dead, alive)
