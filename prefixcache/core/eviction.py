@@ -264,8 +264,8 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     cached blocks released with content *new* to the cache (filled since the block was last
     taken: nobody released it before), and how many of those were looked up again — hit
     while free, or recomputed while the hash is in the *ghost* list of recently evicted,
-    never-reused content (the last ``ghost_factor * num_blocks`` such hashes, about 100
-    bytes each). Its reuse rate is estimated as
+    never-reused content (the last ``ghost_factor * num_blocks`` such hashes, a
+    few hundred bytes each). Its reuse rate is estimated as
     ``(reused + prior_weight * g) / (inserted + prior_weight)``, shrunk towards the
     overall rate ``g``. Whenever the counted insertions pass ``memory_factor *
     num_blocks``, every count is halved (then again every half of that), so the estimates
