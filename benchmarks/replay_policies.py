@@ -8,10 +8,13 @@
    how much of the gap knowing which content is never used again would close — all of it,
    content seen by one request only, content already reused — against the best online
    policy.
-3. The trace's reuse hazard (:mod:`prefixcache.sim.reuse`): how likely content seen once,
+3. The same policies in the timeline mode (arrivals at the trace's timestamps, each request
+   live for output_length / 50 tokens/s, so concurrent requests pin their blocks) at three
+   capacities, with Belady.
+4. The trace's reuse hazard (:mod:`prefixcache.sim.reuse`): how likely content seen once,
    or seen again, is to be looked up within the next 100 requests, by age — what limits
    every online policy.
-4. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
+5. Wall time of one whole-trace replay (LRU, the same token capacity) at block sizes 512
    and 16: reading the trace, hashing (expansion), and the replay itself.
 
     python benchmarks/replay_policies.py [--quick] [--trace PATH]
@@ -39,6 +42,7 @@ DEFAULT_TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "mo
                  / "synthetic_trace.jsonl")
 CAPACITIES = [1000, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000]
 QUICK_CAPACITIES = [2000, 4000, 8000]
+TIMELINE_CAPACITIES = [2000, 4000, 8000]
 TIMED_TOKEN_CAPACITY = 4000 * 512  # the same KV size at both block sizes
 
 
@@ -61,6 +65,19 @@ def timed_replay(trace_path: Path, block_size: int, policy: str = "lru") -> dict
         "total_s": round(done - started, 3),
         "requests_per_s": round(result.requests_per_s),
         "blocks_per_s": round(result.blocks_per_s),
+    }
+
+
+def timeline_sweep(prepared, policies: list[str]) -> dict:
+    result = sweep(prepared, TIMELINE_CAPACITIES, policies, timeline=True)
+    return {
+        "mode": "timeline, decode 50 tokens/s, decode slots reserved",
+        "capacities_blocks": TIMELINE_CAPACITIES,
+        "belady_hit_rates": [round(r, 5) for r in result.belady_hit_rates],
+        "policy_hit_rates": {p: [round(r, 5) for r in rates]
+                             for p, rates in result.policy_to_hit_rates.items()},
+        "ordering_violations": result.ordering_violations,
+        "widest_gap": result.widest_gap(),
     }
 
 
@@ -104,6 +121,7 @@ def main() -> int:
             "wall_s": round(sweep_s, 1),
         },
         "dead_content_diagnostics_at_widest_gap": diagnostics,
+        "timeline": timeline_sweep(prepared, policies),
         "reuse_hazard": reuse_hazard(prepared).to_dict(),
         "replay_wall_time": [timed_replay(args.trace, 512), timed_replay(args.trace, 16)],
     }
