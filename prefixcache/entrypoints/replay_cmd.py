@@ -86,7 +86,7 @@ def register(subparsers) -> None:
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help="eviction policies: lru (default), unhashed-first, 2q, "
                              "learned-reuse; offline: belady, and the diagnostics "
-                             "dead-first, dead-once-first, dead-repeat-first (see below)")
+                             "dead-first, dead-once-first, dead-repeat-first (see above)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
                       help="sequential mode: live requests at a time (default 1)")
