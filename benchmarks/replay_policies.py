@@ -118,6 +118,11 @@ def main() -> int:
                                  for p, rates in result.policy_to_hit_rates.items()},
             "ordering_violations": result.ordering_violations,
             "widest_gap": widest,
+            "fraction_of_lru_belady_gap_closed": {
+                p: [round((r - lru) / (b - lru), 4) if b > lru else None
+                    for r, lru, b in zip(rates, result.policy_to_hit_rates["lru"],
+                                         result.belady_hit_rates, strict=True)]
+                for p, rates in result.policy_to_hit_rates.items() if p != "lru"},
             "wall_s": round(sweep_s, 1),
         },
         "dead_content_diagnostics_at_widest_gap": diagnostics,
