@@ -1,17 +1,25 @@
-"""``prefixcache serve`` refuses bad configuration with exit code 2 and a message, before
-binding anything."""
+"""``prefixcache serve`` refuses bad configuration with exit code 2 and a one-line message.
+The listening socket comes first, before the model loads: a port it cannot have costs no
+model load, and no error path leaves a socket open."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from prefixcache.config import DEFAULT_EVICTION_POLICY
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.cli import build_parser, main
-from prefixcache.entrypoints.openai.serve_cmd import engine_options, kv_events_options
+from prefixcache.entrypoints.openai.serve_cmd import (
+    engine_options,
+    kv_events_options,
+    listen_sockets,
+)
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():
@@ -91,13 +99,125 @@ def test_kv_events_flags():
     ["serve", "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "x"],
 ], ids=["missing-key-file", "key-and-key-file", "missing-model", "replay-without-endpoint",
         "bad-events-endpoint", "bad-replay-endpoint"])
-def test_bad_configuration_exits_2(argv, tmp_path, capsys):
+def test_bad_configuration_exits_2(argv, tmp_path, capsys, monkeypatch):
     keys = tmp_path / "keys.txt"
     keys.write_text("k1 tenant\n")
     argv = [a.format(keys=keys, missing_model=tmp_path / "no-model") for a in argv]
-    assert main(argv) == 2
+    created = record_sockets(monkeypatch)
+    # --port 0: the engine errors come after the bind, which must not depend on port 8000.
+    assert main([*argv, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "prefixcache serve:" in err and "Traceback" not in err
+    assert all(sock.fileno() == -1 for sock in created)  # the listening socket too
+
+
+def record_sockets(monkeypatch) -> list[socket.socket]:
+    """Every socket.socket made from now on in this test, to check that all were closed."""
+    created: list[socket.socket] = []
+
+    class RecordingSocket(socket.socket):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(socket, "socket", RecordingSocket)
+    return created
+
+
+def forbid_engine(monkeypatch) -> None:
+    from prefixcache.engine.async_llm import AsyncLLM
+
+    def from_options(**_):
+        pytest.fail("the engine (and the model) was built although the port is unusable")
+
+    monkeypatch.setattr(AsyncLLM, "from_options", from_options)
+
+
+@pytest.fixture
+def taken_port():
+    """A port something else already listens on (127.0.0.1), as another server would."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        yield blocker.getsockname()[1]
+
+
+def test_taken_port_exits_2_with_one_line_and_never_builds_the_engine(taken_port, tiny_model_dir,
+                                                                     monkeypatch, capsys):
+    forbid_engine(monkeypatch)
+    created = record_sockets(monkeypatch)
+    code = main(["serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(taken_port)])
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"prefixcache serve: cannot listen on 127.0.0.1:{taken_port}: "
+                            "address already in use\n")
+    assert captured.out == ""
+    assert created and all(sock.fileno() == -1 for sock in created)
+
+
+def test_unassignable_host_exits_2_naming_host_and_port(monkeypatch, capsys):
+    forbid_engine(monkeypatch)
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): numeric, so no DNS, and on no interface.
+    assert main(["serve", "--host", "192.0.2.1", "--port", "8123"]) == 2
+    assert capsys.readouterr().err == (
+        "prefixcache serve: cannot listen on 192.0.2.1:8123: cannot assign requested address\n")
+
+
+def test_the_port_listens_before_the_engine_loads_and_closes_if_it_fails(tiny_model_dir,
+                                                                        monkeypatch, capsys):
+    from prefixcache.engine.async_llm import AsyncLLM
+
+    created = record_sockets(monkeypatch)
+    seen = {}
+
+    def from_options(**_):
+        [listener] = created
+        seen["port"] = listener.getsockname()[1]
+        # Already listening: a client connects (and would wait in the backlog).
+        with socket.create_connection(("127.0.0.1", seen["port"]), timeout=5):
+            pass
+        raise ValueError("no engine in this test")
+
+    monkeypatch.setattr(AsyncLLM, "from_options", from_options)
+    assert main(["serve", str(tiny_model_dir), "--port", "0"]) == 2
+    assert capsys.readouterr().err == "prefixcache serve: no engine in this test\n"
+    assert seen["port"] != 0
+    assert all(sock.fileno() == -1 for sock in created)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", seen["port"]), timeout=5).close()
+
+
+def test_port_0_ready_line_names_the_port_that_serves(server):
+    # The session server runs with --port 0; its URL comes from its "ready" line.
+    port = urlsplit(server.url).port
+    assert port and port != 0
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+
+
+def test_listen_sockets_port_0_on_every_interface_shares_one_port():
+    sockets = listen_sockets("", 0)
+    try:
+        ports = {sock.getsockname()[1] for sock in sockets}
+        assert len(ports) == 1 and 0 not in ports
+        assert {sock.family for sock in sockets} >= {socket.AF_INET}
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_listen_sockets_ipv6_loopback():
+    try:
+        sockets = listen_sockets("::1", 0)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    try:
+        assert [sock.family for sock in sockets] == [socket.AF_INET6]
+        port = sockets[0].getsockname()[1]
+        with socket.create_connection(("::1", port), timeout=5):
+            pass
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @pytest.mark.parametrize("flag", [["--port", "70000"], ["--block-size", "0"],

@@ -45,6 +45,7 @@ from prefixcache.entrypoints.openai.tenancy import Authenticator, AuthError, Pri
 
 logger = logging.getLogger(__name__)
 ready_logger = logging.getLogger("prefixcache.serve")
+uvicorn_logger = logging.getLogger("uvicorn.error")  # where uvicorn logs its own startup
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Status logged (never sent: nobody is listening) when a client left before its answer.
@@ -292,8 +293,12 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
 
 
 class ReadyLoggingServer(uvicorn.Server):
-    """uvicorn's server, plus the one "ready" line, logged once the socket listens and
-    naming the real port (so ``--port 0`` is usable: readers take the URL from it)."""
+    """uvicorn's server, plus the one "ready" line, logged once the app serves and naming
+    the real port (so ``--port 0`` is usable: readers take the URL from it).
+
+    Works the same whether uvicorn binds ``config.host``/``config.port`` itself or is
+    handed listening sockets (``run(sockets=...)``, as ``prefixcache serve`` does); the
+    line always names the first socket actually serving."""
 
     def __init__(self, config: uvicorn.Config, model_info: ModelInfo, llm: AsyncLLM) -> None:
         super().__init__(config)
@@ -305,6 +310,13 @@ class ReadyLoggingServer(uvicorn.Server):
         if not self.started:
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]
+        if sockets is not None:
+            # uvicorn logs this itself only when it binds (with sockets it assumes a
+            # parent process already did); --uvicorn-log-level info still shows it.
+            uvicorn_host = self.config.host or "0.0.0.0"
+            shown = f"[{uvicorn_host}]" if ":" in uvicorn_host else uvicorn_host
+            uvicorn_logger.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
+                                "https" if self.config.ssl else "http", shown, port)
         shown_host = f"[{host}]" if ":" in host else host
         info = self._model_info
         publisher = self._llm.event_publisher
