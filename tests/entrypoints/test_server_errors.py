@@ -95,6 +95,19 @@ def test_bad_request_gets_an_openai_error(http, path, body, status, param):
         assert error["param"].split(".")[0] == param, error
 
 
+def test_engine_errors_name_the_prompt_not_internal_request_ids(http):
+    # One prompt: the message is the engine's, without the internal request id.
+    response = http.post(COMPLETIONS, json=completion(prompt=[1, 10**6]))
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "1000000" in message
+    assert "cmpl-" not in message and not message.startswith("request ")
+    # Several prompts: it says which one.
+    response = http.post(COMPLETIONS, json=completion(prompt=[[1, 2], [1, 10**6]], n=2))
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400
+    assert message.startswith("prompt 1: ") and "cmpl-" not in message
+
+
 @pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b'"text"',
                                  b'{"prompt": "a", "temperature": NaN}', b"\xff\xfe"],
                          ids=["syntax", "empty", "array", "string", "nan", "not-utf8"])

@@ -241,7 +241,8 @@ class OpenAIServing:
         try:
             stream = await self.llm.add_requests(new_requests)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(_in_client_terms(str(exc), request_id_to_index, n,
+                                               len(prompts_token_ids))) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
@@ -348,3 +349,16 @@ class OpenAIServing:
         return [ChatCompletionStreamResponse(id=run.api_id, created=now_s(), model=run.model,
                                              choices=[choice]).model_dump_json()
                 for choice in chunks]
+
+
+def _in_client_terms(message: str, request_id_to_index: dict[str, int], n: int,
+                     num_prompts: int) -> str:
+    """An engine error about one of our internal requests, in the client's terms: the
+    engine names the request by its internal id (``request 'cmpl-…-1-0': …``), which means
+    nothing to the client; name the prompt instead (or nothing, for a single prompt)."""
+    for request_id, index in request_id_to_index.items():
+        prefix = f"request {request_id!r}: "
+        if message.startswith(prefix):
+            rest = message[len(prefix):]
+            return rest if num_prompts == 1 else f"prompt {index // n}: {rest}"
+    return message
