@@ -5,6 +5,10 @@ A running request holds one "block"; ``reset_prefix_cache`` fails while any is h
 step appends one core-shaped event so publishing can be checked. ``step_gate`` (a
 threading.Event), when set by a test, pauses ``step`` until it is set, so a test can hold
 requests running while it acts.
+
+A step takes ``STEP_S`` (1 ms), as a real one takes a few: without it the engine-loop thread
+spins on a long request, each output copying every token so far (quadratic), and starves
+the test's event loop of the GIL on a loaded machine — a flaky timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import time
 
 from prefixcache.engine.outputs import RequestMetrics, RequestOutput
 from prefixcache.engine.stats import EngineStats
+
+STEP_S = 0.001
 
 
 class FakeEngine:
@@ -50,6 +56,7 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         if self.step_gate is not None:
             self.step_gate.wait(10)
+        time.sleep(STEP_S)
         if self.fail_next_step:
             raise RuntimeError("boom")
         self.step_batches.append(sorted(self.running))
