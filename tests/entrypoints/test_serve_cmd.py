@@ -15,11 +15,8 @@ from prefixcache.config import DEFAULT_EVICTION_POLICY
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.cli import build_parser, main
-from prefixcache.entrypoints.openai.serve_cmd import (
-    engine_options,
-    kv_events_options,
-    listen_sockets,
-)
+from prefixcache.entrypoints.openai.listen import listen_sockets
+from prefixcache.entrypoints.openai.serve_cmd import engine_options, kv_events_options
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():

@@ -5,16 +5,14 @@ torch, no FastAPI); ``run`` pays for them.
 
 Check first, then commit: ``run`` binds and listens on ``--host``/``--port`` before it loads
 the model, so a taken port, a bad host or a refused privileged port costs the user a second,
-not a model load; uvicorn then serves on the already-listening sockets.
+not a model load (:mod:`prefixcache.entrypoints.openai.listen`); uvicorn then serves on
+the already-listening sockets.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
-import os
-import socket
 import sys
 
 from prefixcache.config import (
@@ -24,6 +22,7 @@ from prefixcache.config import (
     HASH_ALGOS,
 )
 from prefixcache.entrypoints.arg_types import byte_size, port, positive_int
+from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
 
 logger = logging.getLogger("prefixcache.serve")
 
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         sockets = listen_sockets(args.host, args.port)
     except OSError as exc:
         print(f"prefixcache serve: cannot listen on {host_port(args.host, args.port)}: "
-              f"{_reason(exc)}", file=sys.stderr)
+              f"{os_error_reason(exc)}", file=sys.stderr)
         return 2
     try:
         return _run_engine(args, authenticator, sockets)
@@ -178,68 +177,7 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
 
 
-def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """Listening TCP sockets for ``host``:``port``, one per address ``host`` resolves to
-    (``""`` is every interface), made as asyncio's ``create_server`` makes them (the one
-    uvicorn would otherwise call): ``SO_REUSEADDR`` on POSIX, IPv6 sockets IPv6-only, an
-    address of a disabled family (``EADDRNOTAVAIL``) skipped while another binds.
-
-    ``port`` 0 lets the first socket pick a free port and binds the others to that same
-    one, so every address serves one URL. They listen already because only ``listen``
-    is definitive: on Linux two ``SO_REUSEADDR`` sockets may both bind a port, and the
-    second learns it is taken at ``listen``. A client connecting before the app starts
-    waits in the backlog.
-
-    Raises OSError (``socket.gaierror`` for a name that does not resolve) with no socket
-    left open.
-    """
-    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
-                               0, socket.AI_PASSIVE)
-    addresses = list(dict.fromkeys((info[0], info[4]) for info in infos))
-    sockets: list[socket.socket] = []
-    unavailable: OSError | None = None
-    try:
-        for family, address in addresses:
-            if sockets and port == 0:  # the rest follow the port the first one picked
-                address = (address[0], sockets[0].getsockname()[1], *address[2:])
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            # asyncio's condition: elsewhere (Windows) it would let another steal the port.
-            if os.name == "posix" and sys.platform != "cygwin":
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                # Linux is dual-stack by default; "::" would also take the IPv4 port,
-                # which asyncio (and so uvicorn) never did.
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno != errno.EADDRNOTAVAIL:
-                    raise
-                unavailable = exc
-                sockets.pop().close()
-                continue
-            sock.listen()
-        if not sockets:
-            raise unavailable or OSError(errno.EADDRNOTAVAIL, "no address to listen on")
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
-def host_port(host: str, port: int) -> str:
-    """``host:port`` as a user types it in a URL: IPv6 hosts bracketed."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _reason(exc: OSError) -> str:
-    # "address already in use", not "[Errno 98] Address already in use".
-    return (exc.strerror or str(exc)).lower()
-
-
-def _run_engine(args: argparse.Namespace, authenticator, sockets: list[socket.socket]) -> int:
+def _run_engine(args: argparse.Namespace, authenticator, sockets: list) -> int:
     import zmq
 
     from prefixcache.engine.async_llm import AsyncLLM
@@ -258,8 +196,7 @@ def _run_engine(args: argparse.Namespace, authenticator, sockets: list[socket.so
         llm.shutdown()
 
 
-def _serve(args: argparse.Namespace, llm, authenticator,
-           sockets: list[socket.socket]) -> int:
+def _serve(args: argparse.Namespace, llm, authenticator, sockets: list) -> int:
     import uvicorn
 
     from prefixcache.entrypoints.openai.api_server import ReadyLoggingServer, build_app
