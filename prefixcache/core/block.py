@@ -114,31 +114,26 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put ``blocks`` at the tail in the given order (the last one is evicted last)."""
-        if not blocks:
-            return
-        tail = self.fake_free_list_tail
-        last = tail.prev_free_block
-        for block in blocks:
-            block.prev_free_block = last
-            last.next_free_block = block
-            last = block
-        last.next_free_block = tail
-        tail.prev_free_block = last
-        self.num_free_blocks += len(blocks)
+        if blocks:
+            tail = self.fake_free_list_tail
+            self._link_between(tail.prev_free_block, blocks, tail)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put ``blocks`` at the head in the given order (the first one is evicted first)."""
-        if not blocks:
-            return
-        head = self.fake_free_list_head
-        first = head.next_free_block
-        last = head
+        if blocks:
+            head = self.fake_free_list_head
+            self._link_between(head, blocks, head.next_free_block)
+
+    def _link_between(self, before: KVCacheBlock, blocks: list[KVCacheBlock],
+                      after: KVCacheBlock) -> None:
+        """Link ``blocks``, in order, between the adjacent nodes ``before`` and ``after``."""
+        last = before
         for block in blocks:
             block.prev_free_block = last
             last.next_free_block = block
             last = block
-        last.next_free_block = first
-        first.prev_free_block = last
+        last.next_free_block = after
+        after.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
     def forget_cached_content(self) -> None:
