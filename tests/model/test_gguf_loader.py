@@ -23,6 +23,15 @@ from prefixcache.worker.scheduled_sequence import ScheduledSequence
 from tests.model.helpers import all_position_logits, random_token_ids, randomize_vectors
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 96, 48, 80, 4, 2, 2
+
+
+def tiny_hf_config(config_cls, **extra):
+    """A transformers config of ``config_cls`` with this file's tiny shapes."""
+    return config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, **extra)
+
+
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -120,16 +129,7 @@ CASES = {
 def test_gguf_file_matches_the_model_it_was_written_from(tmp_path, case):
     config_cls, model_cls, arch, extra = CASES[case]
     torch.manual_seed(0)
-    hf_config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=256,
-        **extra,
-    )
+    hf_config = tiny_hf_config(config_cls, max_position_embeddings=256, **extra)
     hf_model = model_cls(hf_config).eval()
     randomize_vectors(hf_model)
     head_dim = extra.get("head_dim", HIDDEN // HEADS)
@@ -162,16 +162,7 @@ def test_gguf_file_matches_the_model_it_was_written_from(tmp_path, case):
 
 def test_unknown_gguf_tensor_is_named(tmp_path):
     torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=FFN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-        )
-    )
+    hf_model = transformers.LlamaForCausalLM(tiny_hf_config(transformers.LlamaConfig))
     writer_path = tmp_path / "model.gguf"
     write_gguf(writer_path, "llama", hf_model, HIDDEN // HEADS)
     # Rewrite with one extra tensor the loader cannot place.
