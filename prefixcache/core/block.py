@@ -49,6 +49,10 @@ class FreeKVCacheBlockQueue:
 
     __slots__ = ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail")
 
+    #: Whether the pool should call :meth:`note_hit_in_use`. Off by default, so a policy
+    #: that does not learn from hits costs the hit path nothing.
+    observes_hits_in_use = False
+
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self.fake_free_list_head = KVCacheBlock(-1)
         self.fake_free_list_tail = KVCacheBlock(-1)
@@ -135,6 +139,11 @@ class FreeKVCacheBlockQueue:
         last.next_free_block = after
         after.prev_free_block = last
         self.num_free_blocks += len(blocks)
+
+    def note_hit_in_use(self, block: KVCacheBlock) -> None:
+        """Called by the pool (only if :attr:`observes_hits_in_use`) when a request hits
+        ``block`` while another request holds it, so the block is not in the queue: a
+        reuse the queue would otherwise never see."""
 
     def forget_cached_content(self) -> None:
         """Called by the pool's prefix-cache reset, once every hash is dropped: a policy

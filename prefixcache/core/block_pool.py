@@ -170,11 +170,16 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue so
-        they cannot be evicted while in use."""
-        remove = self.free_block_queue.remove
+        they cannot be evicted while in use. Hits on blocks already in use are reported to
+        a free queue that observes them."""
+        queue = self.free_block_queue
+        remove = queue.remove
+        note_hit_in_use = queue.note_hit_in_use if queue.observes_hits_in_use else None
         for block in blocks:
             if block.ref_cnt == 0:
                 remove(block)
+            elif note_hit_in_use is not None:
+                note_hit_in_use(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

@@ -271,10 +271,12 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     num_blocks``, every count is halved (then again every half of that), so the estimates
     follow changing traffic; a reuse is credited with the weight its insertion has left.
 
-    What it cannot see: hits on a block while another request still holds it (the pool
-    does not tell the free queue), and who filled a block — new content shared while in use
-    is attributed to the request that releases it last. A trace or workload without
-    output lengths puts every request in signature 0, and the queue is ``unhashed-first``.
+    New content another request hits while its filler still holds it (the pool reports
+    such hits through :meth:`note_hit_in_use`) is counted as inserted and reused at once.
+    The queue does not know who filled a block, so new content is attributed to the first
+    request that releases it as finished — the filler, unless a request that shared it
+    finishes first. A trace or workload without output lengths puts every request in
+    signature 0, and the queue is ``unhashed-first``.
 
     Where released blocks go:
 
@@ -293,6 +295,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     """
 
     policy_name = "learned-reuse"
+    observes_hits_in_use = True
     low_reuse_ratio = 0.5
     prior_weight = 4.0
     ghost_factor = 4
@@ -303,6 +306,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         super().__init__(blocks)
         size = self.num_block_ids
         self.is_new = bytearray(size)  # filled since taken, not yet released as finished
+        self.hit_while_new = bytearray(size)  # and already hit by another request
         # The signature that inserted the block's content, until its reuse is counted, and
         # how many halvings had happened then (the insertion's weight is 2 ** -(now - then)).
         self.block_signature: list[int | None] = [None] * size
@@ -319,8 +323,8 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
 
     # -- learning ---------------------------------------------------------------------
 
-    def _credit(self, signature: int, epoch: int) -> None:
-        weight = 0.5 ** (self.num_halvings - epoch)
+    def _credit(self, signature: int, epoch: int, num_blocks: int = 1) -> None:
+        weight = num_blocks * 0.5 ** (self.num_halvings - epoch)
         self.num_reused[signature] = self.num_reused.get(signature, 0.0) + weight
         self.total_reused += weight
 
@@ -381,6 +385,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 ghost.move_to_end(block.block_hash)
             block_signature[block_id] = None
             is_new[block_id] = 1
+            self.hit_while_new[block_id] = 0
         while len(ghost) > self.max_ghost:
             ghost.popitem(last=False)
 
@@ -390,10 +395,17 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             self._credit(signature, self.block_epoch[block.block_id])
             self.block_signature[block.block_id] = None
 
+    def note_hit_in_use(self, block: KVCacheBlock) -> None:
+        if self.is_new[block.block_id]:
+            self.hit_while_new[block.block_id] = 1  # counted when it is first released
+        else:
+            self._on_hit(block)
+
     def forget_cached_content(self) -> None:
         self.ghost.clear()
         self.block_signature = [None] * self.num_block_ids
         self.is_new = bytearray(self.num_block_ids)
+        self.hit_while_new = bytearray(self.num_block_ids)
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         if request is not None and request.status == RequestStatus.PREEMPTED:
@@ -401,30 +413,40 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             return
         signature = None if request is None else output_length_signature(request)
         is_new = self.is_new
+        hit_while_new = self.hit_while_new
         block_signature = self.block_signature
         block_epoch = self.block_epoch
         ghost = self.ghost
-        # First pass: which blocks bring new content of ``signature``; the second places
-        # every block, keeping the given order within each segment.
+        # First pass: which blocks bring new content of ``signature`` (still unproven, or
+        # already shared); the second places every block, keeping the given order within
+        # each segment.
         inserted = bytearray(len(blocks))
-        num_inserted = 0
+        num_inserted = num_shared = 0
         for position, block in enumerate(blocks):
             block_id = block.block_id
             block_hash = block.block_hash
             was_new = is_new[block_id]
             is_new[block_id] = 0
+            was_shared = hit_while_new[block_id]
+            hit_while_new[block_id] = 0
             if block_hash is None or not was_new:
                 continue
             if block_hash in ghost:
                 self._credit(*ghost.pop(block_hash))  # wanted again after its eviction
-            elif signature is not None:
+            elif signature is None:
+                continue
+            elif was_shared:
+                num_shared += 1
+            else:
                 block_signature[block_id] = signature
                 block_epoch[block_id] = self.num_halvings
                 inserted[position] = 1
                 num_inserted += 1
         evict_inserted_first = False
-        if num_inserted:
-            self._insert(signature, num_inserted)
+        if num_inserted or num_shared:
+            if num_shared:
+                self._credit(signature, self.num_halvings, num_shared)
+            self._insert(signature, num_inserted + num_shared)
             evict_inserted_first = self.is_low_reuse(signature)
         unhashed, lower, upper = [], [], []
         for position, block in enumerate(blocks):

@@ -21,12 +21,17 @@ def run_request(mgr, request_id: str, prompt: list[int], num_output_tokens: int)
     request = Request(request_id, prompt)
     _, new_ids = schedule_prefill(mgr, request)
     assert new_ids is not None
+    finish(mgr, request, num_output_tokens)
+    return request
+
+
+def finish(mgr, request: Request, num_output_tokens: int) -> None:
+    """Generate ``num_output_tokens`` for a prefilled request, finish it and free it."""
     request.append_output_token_ids([7] * num_output_tokens)
     assert mgr.allocate_slots(request, num_output_tokens) is not None
     request.num_computed_tokens = request.num_tokens
     request.status = RequestStatus.FINISHED_STOPPED
     mgr.free(request)
-    return request
 
 
 def queue_of(mgr) -> LearnedReuseFreeBlockQueue:
@@ -102,6 +107,39 @@ def test_a_hit_on_a_free_block_is_counted_once():
         run_request(mgr, f"again{i}", doc + [2 + i], SHORT)
     estimates = queue_of(mgr).reuse_estimates()[SHORT.bit_length()]
     assert estimates["inserted"] == 2 and estimates["reused"] == 2
+
+
+@pytest.mark.parametrize("first_to_finish", ["filler", "sharer"])
+def test_content_hit_while_its_filler_still_holds_it_is_counted_as_reused(first_to_finish):
+    mgr = make_manager(num_blocks=16, block_size=4, eviction_policy="learned-reuse")
+    doc = seq(0, 8)
+    filler, sharer = Request("filler", doc + [1]), Request("sharer", doc + [2])
+    schedule_prefill(mgr, filler)
+    num_hit_tokens, _ = schedule_prefill(mgr, sharer)
+    assert num_hit_tokens == 8  # both document blocks, held by the filler
+    order = [filler, sharer] if first_to_finish == "filler" else [sharer, filler]
+    for request in order:
+        finish(mgr, request, SHORT)
+    estimates = queue_of(mgr).reuse_estimates()[SHORT.bit_length()]
+    assert estimates["inserted"] == 2  # the tails are partial blocks, never cached
+    assert estimates["reused"] == 2
+    upper = {b.block_hash for b in queue_of(mgr).upper.get_all_free_blocks()}
+    assert set(filler.block_hashes[:2]) <= upper
+    # Proven reused: nothing is pending for it, so a later hit does not count it again.
+    run_request(mgr, "later", doc + [3], SHORT)
+    assert queue_of(mgr).reuse_estimates()[SHORT.bit_length()]["reused"] == 2
+
+
+def test_a_policy_that_does_not_observe_hits_in_use_is_not_told_of_them():
+    mgr = make_manager(num_blocks=16, block_size=4, eviction_policy="lru")
+    queue = mgr.block_pool.free_block_queue
+    assert not queue.observes_hits_in_use
+    seen = []
+    queue.note_hit_in_use = seen.append
+    doc = seq(0, 8)
+    schedule_prefill(mgr, Request("a", doc + [1]))
+    schedule_prefill(mgr, Request("b", doc + [2]))
+    assert seen == []
 
 
 def test_content_recomputed_after_eviction_is_credited_through_the_ghost():
