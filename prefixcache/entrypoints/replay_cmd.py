@@ -55,15 +55,26 @@ def _capacity_list(text: str) -> list[int]:
     return sorted(set(capacities))
 
 
+ALL_ONLINE_POLICIES = "online"
+
+
 def _policy_list(text: str) -> list[str]:
+    """Comma-separated policy names, in order, without repeats; ``online`` stands for every
+    online policy (the engine's eviction policies)."""
+    from prefixcache.core import EVICTION_POLICIES
     from prefixcache.sim.replay import policy_names
 
-    policies = [part.strip() for part in text.split(",") if part.strip()]
     known = policy_names()
-    for policy in policies:
-        if policy not in known:
+    policies = []
+    for part in (part.strip() for part in text.split(",")):
+        if part == ALL_ONLINE_POLICIES:
+            policies.extend(EVICTION_POLICIES)
+        elif part in known:
+            policies.append(part)
+        elif part:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {policy!r}; choose from {', '.join(known)}")
+                f"unknown policy {part!r}; choose from {', '.join(known)}, "
+                f"or {ALL_ONLINE_POLICIES} for every online one")
     if not policies:
         raise argparse.ArgumentTypeError("give at least one policy")
     return list(dict.fromkeys(policies))
@@ -85,8 +96,9 @@ def register(subparsers) -> None:
                                           "512 for Mooncake traces)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help="eviction policies: lru (default), unhashed-first, 2q, "
-                             "learned-reuse; offline: belady, and the diagnostics "
-                             "dead-first, dead-once-first, dead-repeat-first (see above)")
+                             "learned-reuse, or 'online' for all of these; offline: belady, "
+                             "and the diagnostics dead-first, dead-once-first, "
+                             "dead-repeat-first (see above)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
                       help="sequential mode: live requests at a time (default 1)")

@@ -39,6 +39,16 @@ def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, cap
         assert 0 < run["mean_usage"] <= run["peak_usage"] <= 1
 
 
+def test_online_stands_for_every_online_policy_in_order_without_repeats(small_trace,
+                                                                         tmp_path):
+    out = tmp_path / "out.json"
+    code = main(["replay", str(small_trace), "--num-blocks", "500", "--block-size", "512",
+                 "--policy", "2q,online,belady", "--json", str(out), "--quiet"])
+    assert code == 0
+    policies = [run["policy"] for run in json.loads(out.read_text())["runs"]]
+    assert policies == ["2q", "lru", "unhashed-first", "learned-reuse", "belady"]
+
+
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):
     out = tmp_path / "out.json"
     code = main(["replay", str(small_trace), "--num-blocks", "1000", "--block-size", "512",
