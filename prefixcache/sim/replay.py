@@ -52,6 +52,15 @@ _PROGRESS_EVERY = 64
 _PLACEHOLDER_TOKEN_ID = 0
 
 
+def arrival_order(prepared: PreparedTrace) -> list[int]:
+    """Request indices in the order the timeline mode admits them: by ``timestamp``, ties in
+    file order (a stable sort). Raises ValueError if a request has no timestamp."""
+    timestamps = [request.timestamp_ms for request in prepared.requests]
+    if any(t is None for t in timestamps):
+        raise ValueError("the timeline mode needs a timestamp on every request")
+    return sorted(range(len(timestamps)), key=timestamps.__getitem__)
+
+
 def policy_names() -> list[str]:
     """Every policy a replay accepts: the core's online policies, then the offline ones
     (``belady`` and the dead-content diagnostics of :mod:`prefixcache.sim.dead_content`)."""
@@ -134,14 +143,8 @@ class _Replay:
             eviction_policy="lru" if config.policy in OFFLINE_POLICIES else config.policy,
         )
         blocks_needed = prepared.blocks_needed
-        self.admissible = [i for i in range(len(prepared.requests))
-                           if blocks_needed[i] <= config.num_blocks]
-        if config.timeline:
-            # Admission order is arrival order; the sort is stable, so ties keep file order.
-            timestamps = [prepared.requests[i].timestamp_ms for i in self.admissible]
-            if any(t is None for t in timestamps):
-                raise ValueError("the timeline mode needs a timestamp on every request")
-            self.admissible.sort(key=lambda i: prepared.requests[i].timestamp_ms)
+        order = arrival_order(prepared) if config.timeline else range(len(prepared.requests))
+        self.admissible = [i for i in order if blocks_needed[i] <= config.num_blocks]
         self.offline_queue = None
         if config.policy in OFFLINE_POLICIES:
             future = FutureUses([prepared.block_hashes[i] for i in self.admissible],

@@ -2,8 +2,9 @@
 
 ``infinite``
     The hit rate with a cache that never evicts: a request hits the longest run of its
-    hit-able blocks whose hashes any earlier request has computed. It does not depend on
-    the capacity (nor on pinning), so it is the ceiling of every curve.
+    hit-able blocks whose hashes any earlier request has computed ("earlier" in the order
+    the mode admits requests: file order, or arrival order in the timeline mode). It does
+    not depend on the capacity (nor on pinning), so it is the ceiling of every curve.
 ``belady``
     Offline-optimal eviction at each capacity, replayed through the same manager with the
     same admission (see :mod:`prefixcache.sim.belady` for the exact definition).
@@ -19,21 +20,24 @@ from dataclasses import dataclass, field
 
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.sim.prepared import PreparedTrace
-from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, replay
+from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, arrival_order, replay
 
 # Hit rates are compared with this slack: they are ratios of integers computed the same way,
 # so only float rounding can separate equal values.
 _ORDER_TOLERANCE = 1e-12
 
 
-def infinite_cache_hit_tokens(prepared: PreparedTrace) -> int:
-    """Tokens hit when nothing is ever evicted, over the whole trace in file order."""
+def infinite_cache_hit_tokens(prepared: PreparedTrace,
+                              order: Sequence[int] | None = None) -> int:
+    """Tokens hit when nothing is ever evicted, over the whole trace with requests in
+    ``order`` (indices; default file order — the timeline mode's is ``arrival_order``)."""
     seen: set = set()
     block_size = prepared.block_size
     num_hit_tokens = 0
-    for hashes, max_hit_blocks in zip(prepared.block_hashes, prepared.max_hit_blocks,
-                                      strict=True):
-        limit = min(max_hit_blocks, len(hashes))
+    all_hashes, all_max_hit_blocks = prepared.block_hashes, prepared.max_hit_blocks
+    for index in range(len(all_hashes)) if order is None else order:
+        hashes = all_hashes[index]
+        limit = min(all_max_hit_blocks[index], len(hashes))
         k = 0
         # Chains are prefix-closed: a hash seen before implies its whole prefix was seen.
         while k < limit and hashes[k] in seen:
@@ -43,9 +47,13 @@ def infinite_cache_hit_tokens(prepared: PreparedTrace) -> int:
     return num_hit_tokens
 
 
-def infinite_cache_hit_rate(prepared: PreparedTrace) -> float:
+def infinite_cache_hit_rate(prepared: PreparedTrace, timeline: bool = False) -> float:
+    """The infinite-cache hit rate, with requests in the order the mode admits them."""
     num_prompt_tokens = prepared.num_prompt_tokens
-    return infinite_cache_hit_tokens(prepared) / num_prompt_tokens if num_prompt_tokens else 0.0
+    if not num_prompt_tokens:
+        return 0.0
+    order = arrival_order(prepared) if timeline else None
+    return infinite_cache_hit_tokens(prepared, order) / num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -109,7 +117,8 @@ def sweep(prepared: PreparedTrace, capacities: Sequence[int], policies: Sequence
     ``len(capacities) * (len(policies) + with_belady) * num_requests`` steps fills once.
     """
     policies = [p for p in policies if p != BELADY]
-    result = SweepResult(list(capacities), list(policies), infinite_cache_hit_rate(prepared))
+    result = SweepResult(list(capacities), list(policies),
+                         infinite_cache_hit_rate(prepared, timeline))
     for policy in policies:
         result.policy_to_hit_rates[policy] = []
     extra = {} if decode_tokens_per_s is None else {"decode_tokens_per_s": decode_tokens_per_s}

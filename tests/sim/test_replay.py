@@ -76,6 +76,22 @@ def test_infinite_hit_rate_is_the_replay_with_a_cache_that_never_fills(prefix_51
     assert result.hit_rate == infinite_cache_hit_rate(prefix_512)
 
 
+def test_the_timeline_infinite_ceiling_follows_arrival_order():
+    """File order and arrival order differ: the longer prompt is first in the file but
+    arrives second, so in the timeline it hits the shorter one's two blocks."""
+    trace = Trace("t", [
+        TraceRequest(1, 9, 0, 100.0, token_ids=(*range(8), 50)),
+        TraceRequest(2, 8, 0, 0.0, token_ids=tuple(range(8))),
+    ])
+    prepared = prepare_trace(trace, TraceExpander(4))
+    assert infinite_cache_hit_rate(prepared) == 4 / 17  # file order: the 8 tokens hit one
+    assert infinite_cache_hit_rate(prepared, timeline=True) == 8 / 17
+    result = sweep(prepared, [8], ONLINE, timeline=True)
+    assert result.infinite_hit_rate == 8 / 17
+    assert result.belady_hit_rates == [8 / 17]
+    assert result.ordering_violations == []
+
+
 def test_replays_are_deterministic_and_policies_admit_alike(prefix_512):
     first = replay(prefix_512, ReplayConfig(1000, "2q", concurrency=4))
     again = replay(prefix_512, ReplayConfig(1000, "2q", concurrency=4))
