@@ -70,12 +70,49 @@ class BlockHashToBlockMap:
     def keys(self):
         return self._cache.keys()
 
+    @staticmethod
+    def pick_block_to_share(blocks: Iterable[KVCacheBlock]) -> KVCacheBlock | None:
+        """Of ``blocks``, duplicates holding the same content, the one a cache hit takes:
+        the first in use (``ref_cnt > 0``), else the first; None when there are none.
+
+        Every lookup decides between duplicates here. In use is preferred because sharing
+        a block another request holds takes nothing from the free queue, so the hit costs
+        no free block (taking the free copy would spend one on content already in use);
+        and so whether a request fits does not depend on whether the eviction policy
+        happened to keep the free copy around.
+        """
+        first = None
+        for block in blocks:
+            if block.ref_cnt:
+                return block
+            if first is None:
+                first = block
+        return first
+
     def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """Any block cached under ``block_hash`` (the earliest inserted), or None."""
+        """The block a cache hit on ``block_hash`` takes (see :meth:`pick_block_to_share`),
+        or None when the hash is not cached."""
         entry = self._cache.get(block_hash)
         if entry is None or type(entry) is KVCacheBlock:
             return entry
-        return next(iter(entry.values()))
+        return self.pick_block_to_share(entry.values())
+
+    def get_longest_cached_prefix(self, block_hashes: list[BlockHash],
+                                  max_num_blocks: int) -> list[KVCacheBlock]:
+        """For the leading ``block_hashes`` (at most ``max_num_blocks``) that are all cached,
+        the block a hit on each takes (as :meth:`get_one_block`), stopping at the first
+        miss. One loop, as it runs for every prompt looked up."""
+        blocks: list[KVCacheBlock] = []
+        append = blocks.append
+        lookup = self._cache.get
+        for i in range(min(max_num_blocks, len(block_hashes))):
+            entry = lookup(block_hashes[i])
+            if entry is None:
+                break
+            if type(entry) is not KVCacheBlock:
+                entry = self.pick_block_to_share(entry.values())
+            append(entry)
+        return blocks
 
     def get_all_blocks(self, block_hash: BlockHash) -> list[KVCacheBlock]:
         entry = self._cache.get(block_hash)
@@ -157,6 +194,8 @@ class BlockPool:
     # -- lookup -----------------------------------------------------------------------
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block a cache hit on ``block_hash`` takes, or None (see
+        :meth:`BlockHashToBlockMap.pick_block_to_share`)."""
         return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def get_num_free_blocks(self) -> int:

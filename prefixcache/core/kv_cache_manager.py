@@ -113,20 +113,11 @@ class KVCacheManager:
         if request.skip_reading_prefix_cache:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        block_hashes = request.block_hashes
         if self.verify_cached_tokens:
             computed = self._find_verified_hits(request, max_hit_blocks)
         else:
-            computed = []
-            append = computed.append
-            lookup = self.block_pool.cached_block_hash_to_block._cache.get
-            for i in range(min(max_hit_blocks, len(block_hashes))):
-                block = lookup(block_hashes[i])
-                if block is None:
-                    break
-                if type(block) is not KVCacheBlock:  # duplicates: any of them will do
-                    block = next(iter(block.values()))
-                append(block)
+            computed = self.block_pool.cached_block_hash_to_block.get_longest_cached_prefix(
+                request.block_hashes, max_hit_blocks)
         num_hit_tokens = len(computed) * self.block_size
         stats = self.prefix_cache_stats
         stats.requests += 1
@@ -136,26 +127,29 @@ class KVCacheManager:
 
     def _find_verified_hits(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
         """Like the plain lookup, but a block counts only if it holds this very content:
-        the same token ids and the same extra keys as the request's block."""
+        the same token ids and the same extra keys as the request's block. Among duplicates
+        that hold it, the one the plain lookup would take is preferred the same way."""
         contents = self.block_pool.block_contents
-        lookup = self.block_pool.cached_block_hash_to_block._cache.get
+        cache = self.block_pool.cached_block_hash_to_block
+        get_one_block = cache.get_one_block
         block_hashes = request.block_hashes
         all_token_ids = request.all_token_ids
         block_size = self.block_size
         has_extra_keys = request.has_extra_keys
         computed: list[KVCacheBlock] = []
         for i in range(min(max_hit_blocks, len(block_hashes))):
-            entry = lookup(block_hashes[i])
-            if entry is None:
+            block_hash = block_hashes[i]
+            match = get_one_block(block_hash)
+            if match is None:
                 break
             start = i * block_size
             expected = (all_token_ids[start:start + block_size],
                         request.block_extra_keys(i, block_size) if has_extra_keys else None)
-            if type(entry) is KVCacheBlock:  # the common case: one block under the hash
-                match = entry if contents[entry.block_id] == expected else None
-            else:
-                match = next((b for b in entry.values() if contents[b.block_id] == expected),
-                             None)
+            if contents[match.block_id] != expected:
+                # A colliding hash: another block filed under it may hold this content.
+                match = cache.pick_block_to_share(
+                    b for b in cache.get_all_blocks(block_hash)
+                    if contents[b.block_id] == expected)
             if match is None:
                 self.num_hash_collisions += 1
                 break

@@ -233,3 +233,32 @@ def test_pool_rejects_bad_sizes(num_blocks):
 def test_pool_rejects_unknown_eviction_policy():
     with pytest.raises(ValueError, match="lru"):
         BlockPool(3, eviction_policy="fifo")
+
+
+def test_map_lookup_prefers_a_block_in_use_among_duplicates():
+    cache = BlockHashToBlockMap()
+    b0, b1, b2 = KVCacheBlock(0), KVCacheBlock(1), KVCacheBlock(2)
+    for block in (b0, b1, b2):
+        cache.insert(H1, block)
+    assert cache.get_one_block(H1) is b0  # none in use: the earliest inserted
+    b2.ref_cnt = 1
+    assert cache.get_one_block(H1) is b2
+    assert cache.get_longest_cached_prefix([H1], 1) == [b2]
+    b1.ref_cnt = 1
+    assert cache.get_one_block(H1) is b1  # the earliest inserted of those in use
+    assert BlockHashToBlockMap.pick_block_to_share([b0, b2]) is b2
+    assert BlockHashToBlockMap.pick_block_to_share([b0]) is b0
+    assert BlockHashToBlockMap.pick_block_to_share([]) is None
+
+
+def test_map_longest_cached_prefix_stops_at_the_first_miss_or_the_limit():
+    cache = BlockHashToBlockMap()
+    b0, b1 = KVCacheBlock(0), KVCacheBlock(1)
+    cache.insert(H1, b0)
+    cache.insert(H2, b1)
+    H3 = b"\x03" * 32
+    assert cache.get_longest_cached_prefix([H1, H2, H3], 3) == [b0, b1]
+    assert cache.get_longest_cached_prefix([H1, H3, H2], 3) == [b0]
+    assert cache.get_longest_cached_prefix([H1, H2], 1) == [b0]
+    assert cache.get_longest_cached_prefix([H1, H2], 5) == [b0, b1]
+    assert cache.get_longest_cached_prefix([H3, H1], 2) == []

@@ -541,3 +541,42 @@ def test_duplicate_of_a_free_cached_block_is_dropped_on_free(guard):
     blocks, num_hit_tokens = mgr.get_computed_blocks(Request("again", seq(0, 5)))
     assert [b.block_id for b in blocks] == [0]
     assert num_hit_tokens == 4
+
+
+# -- a hit on a hash held by a free block and an in-use duplicate shares the in-use one ----
+
+def _free_copy_and_in_use_duplicate(num_blocks: int, guard: bool):
+    """Block 1 (free) and block 3 (held by "dup") both cache the hash of seq(4, 8)."""
+    mgr = make_manager(num_blocks=num_blocks, block_size=4, verify_cached_tokens=guard)
+    r0 = Request("0", seq(0, 8) + [99])
+    assert schedule_prefill(mgr, r0) == (0, [0, 1, 2])
+    mgr.free(r0)  # blocks 0 and 1 stay cached, free
+    dup = Request("dup", seq(0, 8))  # block-aligned: block 1's content is recomputed
+    assert schedule_prefill(mgr, dup) == (4, [3])
+    assert blocks_under(mgr, r0.block_hashes[1]) == [1, 3]
+    assert ref_cnts(mgr, [1, 3]) == [0, 1]
+    return mgr, r0.block_hashes[1]
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_hit_on_a_hash_with_a_free_and_an_in_use_copy_shares_the_in_use_one(guard):
+    mgr, h = _free_copy_and_in_use_duplicate(10, guard)
+    assert mgr.block_pool.get_cached_block(h) is mgr.block_pool.blocks[3]
+    r = Request("r", seq(0, 8) + [5, 5, 5])
+    blocks, num_hit_tokens = mgr.get_computed_blocks(r)
+    assert ([b.block_id for b in blocks], num_hit_tokens) == ([0, 3], 8)
+    free_before = mgr.num_free_blocks
+    assert mgr.allocate_slots(r, 3, num_new_computed_tokens=8,
+                              new_computed_blocks=blocks) is not None
+    assert mgr.num_free_blocks == free_before - 1  # only the new block: the hit cost none
+    assert ref_cnts(mgr, [1, 3]) == [0, 2]
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_sharing_the_in_use_duplicate_admits_a_request_that_the_free_copy_would_not(guard):
+    # 5 blocks: after "dup", 3 are free (4, 2, 1); r needs 3 new blocks beside its 2 hits
+    mgr, _ = _free_copy_and_in_use_duplicate(5, guard)
+    assert mgr.num_free_blocks == 3
+    r = Request("r", seq(0, 8) + seq(50, 9))
+    assert schedule_prefill(mgr, r) == (8, [4, 2, 1])
+    assert mgr.get_block_ids("r") == [0, 3, 4, 2, 1]
