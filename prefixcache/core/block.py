@@ -146,9 +146,9 @@ class FreeKVCacheBlockQueue:
         reuse the queue would otherwise never see."""
 
     def forget_cached_content(self) -> None:
-        """Called by the pool's prefix-cache reset, once every hash is dropped: a policy
-        forgets what it remembers of cached content (ghost lists, reuse marks). The
-        linked list itself keeps no such memory."""
+        """Called by the pool's prefix-cache reset, once every hash is dropped (so every
+        block is free): a policy forgets what it remembers of cached content (ghost lists,
+        reuse marks, segments). The linked list itself keeps no such memory."""
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block, head (next to evict) to tail. O(n); for tests and tools."""

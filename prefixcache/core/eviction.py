@@ -156,6 +156,18 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         self.upper.append_n(blocks)
         self.num_free_blocks += len(blocks)
 
+    def forget_cached_content(self) -> None:
+        """Every block is free and holds nothing after a reset, so none deserves the upper
+        segment: its blocks move, in order, to the head of the lower one (taken first,
+        like any unhashed block) rather than outlive content cached after the reset.
+        Subclasses extend this, calling it."""
+        upper = self.upper
+        if upper.num_free_blocks:
+            emptied = upper.popleft_n(upper.num_free_blocks)
+            self.num_free_blocks -= len(emptied)
+            self.in_upper = bytearray(self.num_block_ids)
+            self.prepend_n(emptied)
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Lower head to tail, then upper head to tail: the eviction order."""
         return super().get_all_free_blocks() + self.upper.get_all_free_blocks()
@@ -180,6 +192,8 @@ class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
     recently used blocks are demoted to the tail of probation, so a once-popular prefix
     cannot stay forever. Hits on blocks still held by another request are not seen (no
     ``remove``); such content is still protected once it comes back through the ghost.
+    A prefix-cache reset forgets the ghost and the marks, and moves protected (now empty)
+    blocks to the head of probation.
     """
 
     policy_name = "2q"
@@ -208,6 +222,7 @@ class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
         self.is_reused[block.block_id] = 1
 
     def forget_cached_content(self) -> None:
+        super().forget_cached_content()
         self.ghost.clear()
         self.is_reused = bytearray(self.num_block_ids)
 
@@ -291,7 +306,8 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
 
     With no history every estimate equals ``g``, so the queue starts out as
     ``unhashed-first``. The learned table is :meth:`reuse_estimates`. A prefix-cache reset
-    forgets the ghost and the pending insertions, not the learned counts.
+    forgets the ghost and the pending insertions, not the learned counts, and empties the
+    upper segment into the head of the lower one.
     """
 
     policy_name = "learned-reuse"
@@ -402,6 +418,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             self._on_hit(block)
 
     def forget_cached_content(self) -> None:
+        super().forget_cached_content()
         self.ghost.clear()
         self.block_signature = [None] * self.num_block_ids
         self.is_new = bytearray(self.num_block_ids)

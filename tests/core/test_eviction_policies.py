@@ -133,3 +133,49 @@ def test_unknown_policy_is_a_value_error_naming_the_choices():
         make_manager(eviction_policy="random")
     assert "lru" in str(excinfo.value)
     assert "unhashed-first" in str(excinfo.value)
+
+
+# -- a prefix-cache reset empties the protected segment of the two-segment policies -------
+
+def _admit_and_free(mgr, request_id: str, prompt: list[int]) -> tuple[int, list[int]]:
+    request = Request(request_id, prompt)
+    num_hit_tokens, new_ids = schedule_prefill(mgr, request)
+    assert new_ids is not None
+    mgr.free(request)
+    return num_hit_tokens, new_ids
+
+
+def _protect_a_document_then_reset(policy: str):
+    mgr = make_manager(num_blocks=10, block_size=4, eviction_policy=policy)
+    for i in range(3):  # asked again and again: the two-segment policies keep it upper
+        _admit_and_free(mgr, f"doc{i}", seq(0, 33))  # 8 full blocks and a partial one
+    return mgr
+
+
+@pytest.mark.parametrize("policy", ["2q", "learned-reuse"])
+def test_a_reset_moves_the_upper_segment_to_the_head_of_the_lower_one(policy):
+    mgr = _protect_a_document_then_reset(policy)
+    queue = mgr.block_pool.free_block_queue
+    upper = [b.block_id for b in queue.upper.get_all_free_blocks()]
+    lower = free_ids(mgr)[:queue.num_lower]
+    assert len(upper) == 8
+    assert mgr.reset_prefix_cache()
+    # They hold nothing now: taken first, like any other unhashed block.
+    assert free_ids(mgr) == upper + lower
+    assert (queue.num_lower, queue.upper.num_free_blocks, queue.num_free_blocks) == (10, 0, 10)
+    assert not any(queue.in_upper)
+
+
+@pytest.mark.parametrize("policy", ["2q", "learned-reuse"])
+def test_after_a_reset_empty_blocks_are_taken_before_new_content_is_evicted(policy):
+    outcomes = {}
+    for name in (policy, "unhashed-first"):
+        mgr = _protect_a_document_then_reset(name)
+        assert mgr.reset_prefix_cache()
+        empty_first = free_ids(mgr)[:3]
+        prompt = seq(100, 9)  # 2 full blocks and a partial one
+        assert _admit_and_free(mgr, "p", prompt) == (0, empty_first)
+        _admit_and_free(mgr, "x", seq(200, 5))  # 2 blocks: 7 empty ones are free
+        outcomes[name] = (mgr.block_pool.num_evictions,
+                          mgr.get_computed_blocks(Request("p again", prompt))[1])
+    assert outcomes[policy] == outcomes["unhashed-first"] == (0, 8)
