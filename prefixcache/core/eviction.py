@@ -287,7 +287,8 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
     follow changing traffic; a reuse is credited with the weight its insertion has left.
 
     New content another request hits while its filler still holds it (the pool reports
-    such hits through :meth:`note_hit_in_use`) is counted as inserted and reused at once.
+    such hits through :meth:`note_hit_in_use`), or while it is free after its filler was
+    preempted, is counted as inserted and reused at once.
     The queue does not know who filled a block, so new content is attributed to the first
     request that releases it as finished — the filler, unless a request that shared it
     finishes first. A trace or workload without output lengths puts every request in
@@ -323,6 +324,9 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         size = self.num_block_ids
         self.is_new = bytearray(size)  # filled since taken, not yet released as finished
         self.hit_while_new = bytearray(size)  # and already hit by another request
+        # Who last released the block as preempted: anyone else releasing its still new
+        # content later must have hit it, a reuse (see _note_shared_since_preempted).
+        self.preempted_request_ids: list[str | None] = [None] * size
         # The signature that inserted the block's content, until its reuse is counted, and
         # how many halvings had happened then (the insertion's weight is 2 ** -(now - then)).
         self.block_signature: list[int | None] = [None] * size
@@ -402,6 +406,7 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
             block_signature[block_id] = None
             is_new[block_id] = 1
             self.hit_while_new[block_id] = 0
+            self.preempted_request_ids[block_id] = None
         while len(ghost) > self.max_ghost:
             ghost.popitem(last=False)
 
@@ -423,12 +428,15 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         self.block_signature = [None] * self.num_block_ids
         self.is_new = bytearray(self.num_block_ids)
         self.hit_while_new = bytearray(self.num_block_ids)
+        self.preempted_request_ids = [None] * self.num_block_ids
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         if request is not None and request.status == RequestStatus.PREEMPTED:
-            self._release_preempted(blocks)
+            self._release_preempted(blocks, request)
             return
         signature = None if request is None else output_length_signature(request)
+        if request is not None:
+            self._note_shared_since_preempted(blocks, request)
         is_new = self.is_new
         hit_while_new = self.hit_while_new
         block_signature = self.block_signature
@@ -475,13 +483,43 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
                 upper.append(block)
         self.place(unhashed, lower, upper)
 
-    def _release_preempted(self, blocks: list[KVCacheBlock]) -> None:
+    def _release_preempted(self, blocks: list[KVCacheBlock], request: Request) -> None:
         """Keep a preempted request's content, and its newness, for when it comes back."""
-        unhashed = [block for block in blocks if block.block_hash is None]
+        self._note_shared_since_preempted(blocks, request)
+        unhashed, hashed = [], []
         is_new = self.is_new
-        for block in unhashed:
-            is_new[block.block_id] = 0  # nothing in it to judge later
-        self.place(unhashed, [], [block for block in blocks if block.block_hash is not None])
+        preempted_request_ids = self.preempted_request_ids
+        request_id = request.request_id
+        for block in blocks:
+            if block.block_hash is None:
+                unhashed.append(block)
+                is_new[block.block_id] = 0  # nothing in it to judge later
+            else:
+                hashed.append(block)
+                preempted_request_ids[block.block_id] = request_id
+        self.place(unhashed, [], hashed)
+
+    def _note_shared_since_preempted(self, blocks: list[KVCacheBlock],
+                                     request: Request) -> None:
+        """Mark as hit while new the new content among ``blocks`` that a preempted request
+        left free and ``request``, another request, now releases.
+
+        Such a block was free, so ``request`` took it by a cache hit: a reuse, counted
+        like a hit in use. The queue is not told who hits a free block, which is why this
+        is settled here: after that hit, the next release is by the hitter (or by someone
+        whose own hit in use already marked it), and the preempted request coming back
+        for its own content is no reuse.
+        """
+        is_new = self.is_new
+        preempted_request_ids = self.preempted_request_ids
+        request_id = request.request_id
+        for block in blocks:
+            block_id = block.block_id
+            preempted_id = preempted_request_ids[block_id]
+            if preempted_id is not None:
+                preempted_request_ids[block_id] = None
+                if is_new[block_id] and preempted_id != request_id:
+                    self.hit_while_new[block_id] = 1
 
 EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
     LRUFreeBlockQueue.policy_name: LRUFreeBlockQueue,

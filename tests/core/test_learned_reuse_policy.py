@@ -271,6 +271,36 @@ def test_a_preempted_request_is_judged_when_it_finally_finishes():
     assert set(request.block_hashes[:2]) <= lower
 
 
+def preempt(mgr, request: Request) -> None:
+    """Preempt ``request`` (free its blocks), then queue it again as the scheduler does."""
+    request.status = RequestStatus.PREEMPTED
+    mgr.free(request)
+    request.status = RequestStatus.WAITING
+    request.num_computed_tokens = 0
+
+
+@pytest.mark.parametrize("hitter_name,hitter_preempted,expected_reused", [
+    ("another", False, 2),
+    ("another", True, 2),  # the hitter is preempted in turn, comes back and finishes
+    ("filler", False, 0),  # the preempted request comes back for its own content
+])
+def test_a_hit_on_a_preempted_requests_content_is_a_reuse_unless_it_is_its_own(
+        hitter_name, hitter_preempted, expected_reused):
+    mgr = make_manager(num_blocks=16, block_size=4, eviction_policy="learned-reuse")
+    doc = seq(0, 8)
+    filler = Request("filler", doc + [1])
+    schedule_prefill(mgr, filler)
+    preempt(mgr, filler)  # both document blocks free, their content still new
+    hitter = filler if hitter_name == "filler" else Request(hitter_name, doc + [2])
+    assert schedule_prefill(mgr, hitter)[0] == 8
+    if hitter_preempted:
+        preempt(mgr, hitter)
+        assert schedule_prefill(mgr, hitter)[0] == 8
+    finish(mgr, hitter, SHORT)
+    estimates = queue_of(mgr).reuse_estimates()[SHORT.bit_length()]
+    assert (estimates["inserted"], estimates["reused"]) == (2, expected_reused)
+
+
 def test_a_reuse_is_credited_with_the_weight_its_insertion_has_left():
     queue = LearnedReuseFreeBlockQueue([KVCacheBlock(i) for i in range(2)])  # memory 16
     taken = queue.popleft_n(2)
