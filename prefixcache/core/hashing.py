@@ -58,6 +58,9 @@ DEFAULT_HASH_SEED = "vllm-none-hash"
 
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _COUNT = struct.Struct(">I")
+# The head of a block encoding whose parent is a SHA-256 digest: every parent in a chain
+# but (possibly) the first.
+_SHA256_PARENT_HEAD = b"B" + _COUNT.pack(hashlib.sha256().digest_size)
 _NO_EXTRA = b"\x00"
 _HAS_EXTRA = b"\x01"
 
@@ -206,6 +209,7 @@ class BlockHasher:
             # Encode all tokens once and slice per block: the hot path of every prompt.
             token_bytes = _encode_tokens(token_ids[: num_blocks * block_size])
             stride = 8 * block_size
+            # The first parent is the caller's (any length); the rest are our digests.
             head = b"B" + _COUNT.pack(len(parent))
             count = _COUNT.pack(block_size)
             sha256 = hashlib.sha256
@@ -217,6 +221,7 @@ class BlockHasher:
                     join((head, parent, count, token_bytes[i * stride:(i + 1) * stride], tail))
                 ).digest()
                 append(parent)
+                head = _SHA256_PARENT_HEAD
             return hashes
         # The other algorithms encode the tuple whole. (Memoising each token's CBOR
         # encoding was tried: with a 150k-token vocabulary its dict lookups miss the CPU

@@ -262,6 +262,24 @@ def test_hash_blocks_is_the_chain_of_hash_block_tokens(algo):
 
 
 @pytest.mark.parametrize("algo", ALL_ALGOS)
+@pytest.mark.parametrize("parent_len", [0, 1, 8, 16, 31, 32, 33, 64])
+def test_hash_blocks_equals_the_chain_for_a_first_parent_of_any_length(algo, parent_len):
+    """The sha256 fast path builds its headers outside the chain; the first parent (a
+    caller's own seed, or a 16-byte xxhash digest) need not be a 32-byte sha256 digest."""
+    hasher = BlockHasher(4, algo, "s")
+    first_parent = bytes(range(parent_len))
+    tokens = seq(100, 13)
+    for extras in (None, [(("mm", "a", 1),), None, (("cache_salt", "x"),)]):
+        expected = []
+        parent = first_parent
+        for i in range(3):
+            parent = hasher.hash_block_tokens(parent, tokens[4 * i:4 * i + 4],
+                                              None if extras is None else extras[i])
+            expected.append(parent)
+        assert hasher.hash_blocks(first_parent, tokens, extras) == expected
+
+
+@pytest.mark.parametrize("algo", ALL_ALGOS)
 def test_only_full_blocks_are_hashed(algo, no_env_seed):
     hasher = BlockHasher(4, algo, "s")
     assert hasher.hash_blocks(None, [1, 2, 3]) == []
