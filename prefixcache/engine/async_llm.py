@@ -140,19 +140,31 @@ class AsyncLLM:
     def from_options(cls, *, kv_events_endpoint: str | None = None,
                      kv_events_replay_endpoint: str | None = None,
                      kv_events_topic: str = "", kv_events_block_hash_format: str = "int64",
+                     kv_events_data_parallel_rank: int = 0,
                      **engine_options: Any) -> AsyncLLM:
         """Build the engine (``LLMEngine.from_options(**engine_options)``) and, when
         ``kv_events_endpoint`` is set, a ZMQ KV event publisher bound to it (events are
-        then switched on in the engine). A bad endpoint raises ``zmq.ZMQError`` before
-        the model loads."""
+        then switched on in the engine).
+
+        ``kv_events_data_parallel_rank`` is this replica's rank among the engines behind one
+        router: it is stamped into every batch, and both endpoints are passed through
+        ``endpoint_for_rank`` first, so replicas given the same endpoints bind distinct
+        ones (rank 0 binds them as given). Everything about the endpoints is checked
+        before the model loads: an endpoint the rank cannot be applied to raises
+        ValueError, a bad or taken one ``zmq.ZMQError``."""
         from prefixcache.engine.llm_engine import LLMEngine
+        from prefixcache.events.endpoint import endpoint_for_rank
         from prefixcache.events.publisher import make_event_publisher
 
         publisher = None
         if kv_events_endpoint is not None:
-            publisher = make_event_publisher(kv_events_endpoint,
-                                             replay_endpoint=kv_events_replay_endpoint,
+            rank = kv_events_data_parallel_rank
+            replay_endpoint = (None if kv_events_replay_endpoint is None
+                               else endpoint_for_rank(kv_events_replay_endpoint, rank))
+            publisher = make_event_publisher(endpoint_for_rank(kv_events_endpoint, rank),
+                                             replay_endpoint=replay_endpoint,
                                              topic=kv_events_topic,
+                                             data_parallel_rank=rank,
                                              block_hash_format=kv_events_block_hash_format)
             engine_options["enable_kv_events"] = True
         elif kv_events_replay_endpoint is not None:

@@ -3,6 +3,7 @@
 * ``wire`` — msgspec structs and codec (``KVEventBatch``, ``BlockStored``, ...).
 * ``convert`` — core records (raw digests, tagged extra keys) to wire events.
 * ``publisher`` — ``ZmqEventPublisher`` (PUB + ROUTER replay), ``NullEventPublisher``.
+* ``endpoint`` — ``endpoint_for_rank``: each data-parallel replica's own endpoint.
 * ``subscriber`` — ``EventSubscriber``, the consumer side (imports pyzmq).
 * ``index`` — ``EventIndex``, a router's view of the stored hashes built from events.
 
@@ -13,6 +14,7 @@ is constructed.
 """
 
 from prefixcache.events.convert import block_hash_to_int64, make_batch, to_wire_event
+from prefixcache.events.endpoint import endpoint_for_rank
 from prefixcache.events.index import EventIndex
 from prefixcache.events.publisher import (
     EventPublisher,
@@ -41,6 +43,7 @@ __all__ = [
     "block_hash_to_int64",
     "decode_batch",
     "encode_batch",
+    "endpoint_for_rank",
     "make_batch",
     "make_event_publisher",
     "to_wire_event",

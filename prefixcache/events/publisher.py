@@ -102,7 +102,8 @@ class ZmqEventPublisher(EventPublisher):
         topic: prefix sent as the first frame of every live message (subscribers filter
             on it).
         data_parallel_rank: stamped into every batch. vLLM stamps 0 when data
-            parallelism is off, and so do we.
+            parallelism is off, and so do we. The endpoints are bound as given;
+            ``endpoint.endpoint_for_rank`` derives each replica's own from shared ones.
         block_hash_format: ``"int64"`` (vLLM's default) or ``"bytes"`` (raw digests).
         max_queue_size: batches that may wait for the background thread before the
             oldest is dropped.

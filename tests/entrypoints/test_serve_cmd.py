@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -77,14 +78,94 @@ def test_kv_events_flags():
     args = build_parser().parse_args([
         "serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
         "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558", "--kv-events-topic", "kv",
-        "--kv-events-block-hash-format", "bytes"])
+        "--kv-events-block-hash-format", "bytes", "--data-parallel-rank", "3"])
     assert kv_events_options(args) == {
         "kv_events_endpoint": "tcp://127.0.0.1:5557",
         "kv_events_replay_endpoint": "tcp://127.0.0.1:5558", "kv_events_topic": "kv",
-        "kv_events_block_hash_format": "bytes"}
+        "kv_events_block_hash_format": "bytes", "kv_events_data_parallel_rank": 3}
     defaults = kv_events_options(build_parser().parse_args(["serve"]))
     assert defaults["kv_events_endpoint"] is None
     assert defaults["kv_events_block_hash_format"] == "int64"  # vLLM's default
+    assert defaults["kv_events_data_parallel_rank"] == 0  # endpoints bound as given
+
+
+def test_data_parallel_rank_offsets_both_endpoints_and_stamps_the_engines_batches(
+        tiny_model_dir):
+    from prefixcache.engine.async_llm import AsyncLLM
+    from prefixcache.events.subscriber import EventSubscriber
+    from prefixcache.events.wire import BlockStored
+
+    live_port, replay_port = free_loopback_ports(2)
+    # Replica 2 started with the flags every replica shares, two below the free ports.
+    args = build_parser().parse_args([
+        "serve", str(tiny_model_dir), "--block-size", "4", "--num-kv-blocks", "16",
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{live_port - 2}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port - 2}",
+        "--data-parallel-rank", "2"])
+    # As `run` builds it, minus uvicorn.
+    llm = AsyncLLM.from_options(**kv_events_options(args), **engine_options(args))
+    try:
+        publisher = llm.event_publisher
+        assert publisher.endpoint == f"tcp://127.0.0.1:{live_port}"
+        assert publisher.replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
+
+        async def generate():
+            params = SamplingParams(temperature=0, max_tokens=2)
+            return [o async for o in llm.generate("r", list(range(10, 20)), params)]
+
+        assert asyncio.run(asyncio.wait_for(generate(), 60))[-1].finished
+        # Outputs follow the step's publish() call; the send happens on the publisher's
+        # thread, so poll its counter (bounded) before asking for a replay.
+        deadline = time.monotonic() + 10
+        while publisher.num_published_batches == 0:
+            assert time.monotonic() < deadline, "the engine's events were never sent"
+            time.sleep(0.005)
+        with EventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint) as sub:
+            replayed = sub.replay(0, timeout_s=10)
+        assert replayed
+        assert {r.batch.data_parallel_rank for r in replayed} == {2}
+        assert any(isinstance(event, BlockStored) for r in replayed for event in r.batch.events)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--kv-events-endpoint", "tcp://127.0.0.1:65534", "--data-parallel-rank", "2"],
+     "KV events endpoint 'tcp://127.0.0.1:65534' offset by data-parallel rank 2 gives port "
+     "65536, above 65535"),
+    (["--kv-events-endpoint", "tcp://127.0.0.1:*",
+      "--kv-events-replay-endpoint", "tcp://127.0.0.1:65535", "--data-parallel-rank", "1"],
+     "KV events endpoint 'tcp://127.0.0.1:65535' offset by data-parallel rank 1 gives port "
+     "65536, above 65535"),
+    (["--kv-events-endpoint", "ws://127.0.0.1:5557", "--data-parallel-rank", "1"],
+     "cannot derive a KV events endpoint for data-parallel rank 1 from "
+     "'ws://127.0.0.1:5557': expected tcp://HOST:PORT, tcp://HOST:*, ipc://PATH or "
+     "inproc://NAME"),
+], ids=["past-last-port", "replay-past-last-port", "other-transport"])
+def test_data_parallel_rank_bad_endpoint_exits_2_with_one_line_before_the_model_loads(
+        flags, message, monkeypatch, capsys):
+    from prefixcache.engine.llm_engine import LLMEngine
+
+    def from_options(**_):
+        # Fail, not load the default model and serve forever, if the endpoint is accepted.
+        pytest.fail("the model was loaded although the KV events endpoint is unusable")
+
+    monkeypatch.setattr(LLMEngine, "from_options", from_options)
+    created = record_sockets(monkeypatch)
+    assert main(["serve", "--port", "0", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"prefixcache serve: {message}\n"
+    assert captured.out == ""
+    assert created and all(sock.fileno() == -1 for sock in created)
+
+
+def test_negative_data_parallel_rank_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "--data-parallel-rank", "-1"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --data-parallel-rank: must be >= 0, got -1" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv", [
@@ -119,6 +200,19 @@ def record_sockets(monkeypatch) -> list[socket.socket]:
 
     monkeypatch.setattr(socket, "socket", RecordingSocket)
     return created
+
+
+def free_loopback_ports(num_ports: int) -> list[int]:
+    """Distinct ports on 127.0.0.1 that the OS just handed out (as for ``tcp://...:*``)
+    and that are free again, for a test that must name a port by its number."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def forbid_engine(monkeypatch) -> None:
@@ -219,7 +313,9 @@ def test_listen_sockets_ipv6_loopback():
 
 @pytest.mark.parametrize("flag", [["--port", "70000"], ["--block-size", "0"],
                                   ["--kv-cache-memory", "lots"], ["--dtype", "int4"],
-                                  ["--eviction-policy", "mru"]])
+                                  ["--eviction-policy", "mru"],
+                                  ["--data-parallel-rank", "-1"],
+                                  ["--data-parallel-rank", "two"]])
 def test_bad_flag_values_are_usage_errors(flag):
     with pytest.raises(SystemExit) as excinfo:
         build_parser().parse_args(["serve", *flag])

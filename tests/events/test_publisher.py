@@ -6,6 +6,7 @@ Every wait is a poll with a deadline of a few seconds; nothing asserts on elapse
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 import time
 
@@ -14,6 +15,7 @@ import zmq
 
 from prefixcache.core import kv_events as core
 from prefixcache.events.convert import make_batch
+from prefixcache.events.endpoint import endpoint_for_rank
 from prefixcache.events.publisher import (
     END_OF_REPLAY,
     NullEventPublisher,
@@ -68,6 +70,19 @@ def _wait_until_subscribed(publisher: ZmqEventPublisher, subscriber: EventSubscr
         if subscriber.recv_live(0.05) is not None:
             return num_probes
     pytest.fail("subscriber never received a probe")
+
+
+def _free_loopback_ports(num_ports: int) -> list[int]:
+    """Distinct ports on 127.0.0.1 that the OS just handed out (as for ``tcp://...:*``)
+    and that are free again, for a test that must bind a port by its number."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @pytest.fixture
@@ -332,3 +347,39 @@ def test_null_publisher_and_factory():
     with make_event_publisher(TCP_ANY_PORT, topic="t") as pub:
         assert isinstance(pub, ZmqEventPublisher)
     assert not pub._thread.is_alive()
+
+
+def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
+    rank = 2
+    live_port, replay_port = _free_loopback_ports(2)
+    # The flags all replicas share name ports two below the free ones; rank 2 lands on them.
+    shared_endpoint = f"tcp://127.0.0.1:{live_port - rank}"
+    shared_replay_endpoint = f"tcp://127.0.0.1:{replay_port - rank}"
+    pub = ZmqEventPublisher(endpoint_for_rank(shared_endpoint, rank),
+                            replay_endpoint=endpoint_for_rank(shared_replay_endpoint, rank),
+                            data_parallel_rank=rank)
+    try:
+        assert pub.endpoint == f"tcp://127.0.0.1:{live_port}"
+        assert pub.replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
+        # A router knows only the shared flags and the rank: it connects to port + rank.
+        with EventSubscriber(f"tcp://127.0.0.1:{live_port}",
+                             replay_endpoint=f"tcp://127.0.0.1:{replay_port}") as sub:
+            first_seq = _wait_until_subscribed(pub, sub)
+            pub.publish(_step_records(1), ts=1.0)
+            live = None
+            deadline = time.monotonic() + DEADLINE_S
+            while live is None and time.monotonic() < deadline:
+                message = sub.recv_live(0.1)
+                if message is not None and message.seq >= first_seq:
+                    live = message
+            assert live is not None, "the batch never arrived on port + rank"
+            assert live.batch.data_parallel_rank == rank
+            expected = make_batch(_step_records(1), ts=1.0, data_parallel_rank=rank)
+            assert encode_batch(live.batch) == encode_batch(expected)
+
+            replayed = sub.replay(0)
+        # The probes and the step, each stamped with the rank.
+        assert [r.seq for r in replayed] == list(range(first_seq + 1))
+        assert {r.batch.data_parallel_rank for r in replayed} == {rank}
+    finally:
+        pub.close()

@@ -21,7 +21,7 @@ from prefixcache.config import (
     EVICTION_POLICIES,
     HASH_ALGOS,
 )
-from prefixcache.entrypoints.arg_types import byte_size, port, positive_int
+from prefixcache.entrypoints.arg_types import byte_size, non_negative_int, port, positive_int
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
 
 logger = logging.getLogger("prefixcache.serve")
@@ -114,6 +114,12 @@ def register(subparsers) -> None:
                         choices=BLOCK_HASH_FORMATS,
                         help="block hashes as vLLM's 64-bit integers (the digest's low 8 "
                              "bytes, big-endian) or as raw digests (default: %(default)s)")
+    events.add_argument("--data-parallel-rank", type=non_negative_int, default=0, metavar="R",
+                        help="this replica's rank among the engines behind one router; "
+                             "stamped into every KV event batch and added to the port of the "
+                             "KV event endpoints (ipc/inproc paths get a _dpR suffix), so "
+                             "replicas on one host can be started with the same flags "
+                             "(default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -147,6 +153,7 @@ def kv_events_options(args: argparse.Namespace) -> dict:
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
         "kv_events_topic": args.kv_events_topic,
         "kv_events_block_hash_format": args.kv_events_block_hash_format,
+        "kv_events_data_parallel_rank": args.data_parallel_rank,
     }
 
 
