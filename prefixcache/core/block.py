@@ -74,10 +74,10 @@ class FreeKVCacheBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Remove and return the first ``n`` blocks, head first. Raises ValueError if fewer
-        than ``n`` are free (and then removes nothing)."""
-        if n == 0:
-            return []
+        """Remove and return the first ``n`` blocks, head first. Raises ValueError, removing
+        nothing, if ``n`` is negative or fewer than ``n`` are free."""
+        if n <= 0:
+            return self._popleft_none(n)
         if n > self.num_free_blocks:
             raise ValueError(
                 f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
@@ -94,6 +94,14 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = head
         self.num_free_blocks -= n
         return popped
+
+    @staticmethod
+    def _popleft_none(n: int) -> list[KVCacheBlock]:
+        """``popleft_n``'s answer for ``n <= 0``: no blocks, or ValueError when negative
+        (taking a negative count would corrupt ``num_free_blocks``)."""
+        if n < 0:
+            raise ValueError(f"cannot take a negative number of blocks ({n})")
+        return []
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from anywhere in the queue."""

@@ -223,11 +223,14 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks from the head of the free queue, each with ref 1,
-        evicting any cached content they held. Raises ValueError if too few are free.
+        evicting any cached content they held. Raises ValueError, changing nothing, if
+        ``num_blocks`` is negative or too few are free.
 
         With events on, the hashes this evicts go out as one ``BlockRemoved``: a batch
         allocation evicts dozens of blocks, and one event per block cost more than the
         allocation itself."""
+        if num_blocks < 0:  # checked here too: an eviction policy may not check it
+            raise ValueError(f"cannot take a negative number of blocks ({num_blocks})")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
             removed_hashes: list[BlockHash] | None = [] if self.enable_events else None
@@ -318,16 +321,31 @@ class BlockPool:
                     request: Request | None = None) -> None:
         """Drop one reference from each block; blocks reaching zero are released to the
         free queue in the given order (first given = evicted first, under ``lru``).
-        ``request``, whose blocks they are, is passed on to the eviction policy."""
+        ``request``, whose blocks they are, is passed on to the eviction policy.
+
+        A block that is already free is freed twice: ValueError, raised once the blocks
+        before it are released as usual (so the pool stays consistent); it and the blocks
+        after it are left as they were.
+        """
         released = []
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            ref_cnt = block.ref_cnt
+            if ref_cnt == 1:
                 released.append(block)
+            elif ref_cnt < 1:  # only shared blocks reach this test: free on the hot path
+                if released:
+                    self._release(released, request)
+                raise ValueError(f"block {block.block_id} is already free (ref_cnt "
+                                 f"{ref_cnt}): freed twice?")
+            block.ref_cnt = ref_cnt - 1
         if released:
-            if self.cached_block_hash_to_block.num_duplicate_blocks:
-                self._uncache_released_duplicates(released)
-            self.free_block_queue.release(released, request)
+            self._release(released, request)
+
+    def _release(self, released: list[KVCacheBlock], request: Request | None) -> None:
+        """Hand blocks that just reached ``ref_cnt == 0`` to the free queue."""
+        if self.cached_block_hash_to_block.num_duplicate_blocks:
+            self._uncache_released_duplicates(released)
+        self.free_block_queue.release(released, request)
 
     def _uncache_released_duplicates(self, released: list[KVCacheBlock]) -> None:
         """A released block whose hash another block also holds is redundant: drop its

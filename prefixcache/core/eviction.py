@@ -95,6 +95,8 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         """``block`` leaves the queue because a request hit its cached content."""
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n <= 0:
+            return self._popleft_none(n)
         if n > self.num_free_blocks:
             raise ValueError(
                 f"No free blocks available: asked for {n}, {self.num_free_blocks} free"

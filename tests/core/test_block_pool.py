@@ -122,6 +122,31 @@ def test_get_new_blocks_beyond_free_raises_and_changes_nothing():
     assert [b.ref_cnt for b in pool.blocks] == [1, 0, 0]
 
 
+def test_get_new_blocks_rejects_a_negative_count_and_changes_nothing():
+    pool = BlockPool(3)
+    with pytest.raises(ValueError, match="negative"):
+        pool.get_new_blocks(-1)
+    assert pool.get_new_blocks(0) == []
+    assert pool.get_num_free_blocks() == 3
+    assert free_ids(pool) == [0, 1, 2]
+
+
+def test_freeing_a_block_that_is_already_free_is_an_error_not_a_negative_count():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(3)
+    pool.touch([blocks[0]])  # block 0: ref 2
+    pool.free_blocks([blocks[2]])
+    with pytest.raises(ValueError, match="block 2 is already free"):
+        pool.free_blocks([blocks[1], blocks[0], blocks[2], blocks[1]])
+    # The blocks before it were freed as asked, so the pool stays consistent.
+    assert [b.ref_cnt for b in pool.blocks] == [1, 0, 0, 0]
+    assert free_ids(pool) == [3, 2, 1]
+    with pytest.raises(ValueError, match="block 1 is already free"):
+        pool.free_blocks([blocks[1]])
+    assert [b.ref_cnt for b in pool.blocks] == [1, 0, 0, 0]
+    assert free_ids(pool) == [3, 2, 1]
+
+
 def test_touch_takes_free_blocks_out_of_the_queue():
     pool = BlockPool(4)
     held = pool.get_new_blocks(1)[0]  # block 0, ref 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.core import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def make_blocks(n: int) -> list[KVCacheBlock]:
@@ -176,6 +176,18 @@ def test_popleft_n_more_than_free_raises_and_removes_nothing():
     queue.popleft_n(3)
     with pytest.raises(ValueError, match="No free blocks available"):
         queue.popleft_n(1)
+
+
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+def test_popleft_n_negative_raises_and_zero_takes_nothing_under_every_policy(policy):
+    blocks = make_blocks(3)
+    queue = EVICTION_POLICIES[policy](blocks)
+    with pytest.raises(ValueError, match="negative"):
+        queue.popleft_n(-2)
+    assert queue.popleft_n(0) == []
+    assert queue.num_free_blocks == 3
+    assert ids(queue) == [0, 1, 2]
+    assert queue.popleft_n(3) == blocks
 
 
 # -- remove ------------------------------------------------------------------------------
