@@ -14,6 +14,13 @@ One idea covers prefill, chunked prefill, decode and cache hits alike: every req
    ``max_num_seqs`` and the budget allow. A cache hit counts as already computed, so only
    the uncached tokens spend budget.
 
+No request waits forever. A request whose tokens (prompt plus outputs) need more blocks
+than the whole pool can never sample another token: wherever it is, it is finished with
+``FINISHED_LENGTH`` and its blocks are freed (preempting it would only bring it back to
+the same wall). Every other request fits the pool on its own, so the oldest running
+request always advances (preemption takes from the newest end), and once nothing runs,
+the head of the queue is always admitted.
+
 Scheduled tokens count as computed as soon as they are scheduled (the model runs them in
 this step), so the scheduler's state is consistent before the step's results come back.
 The engine then appends sampled tokens to requests whose chunk reached their last token
@@ -37,7 +44,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Limits of one step. Chunked prefill splits prompts longer than the remaining budget;
-    without it, a prompt longer than ``max_num_batched_tokens`` can never run."""
+    without it, a prompt is computed in one step, so one longer than
+    ``max_num_batched_tokens`` can never run. The recomputation of a preempted request is
+    split either way: its prompt plus outputs may have grown past the budget."""
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -77,7 +86,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests the scheduler ended itself: they outgrew the whole KV pool while decoding.
+    # Requests the scheduler ended itself, with FINISHED_LENGTH: their tokens outgrew the
+    # whole KV pool, so they could never sample another token.
     finished_requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: int = 0
 
@@ -92,16 +102,20 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Tokens the whole pool holds: a request with more can never be computed.
+        self.num_pool_slots = kv_cache_manager.num_blocks * kv_cache_manager.block_size
 
     # -- requests in and out ----------------------------------------------------------
 
     def check_can_ever_fit(self, request: Request, num_extra_tokens: int = 0) -> str | None:
         """Why ``request`` (plus ``num_extra_tokens`` it may generate) can never run, or
-        None. Checked on arrival so an impossible request fails alone, immediately."""
+        None. Checked on arrival so an impossible request fails alone, immediately. A
+        request that passes with no extra tokens is always admitted eventually and
+        samples at least one token."""
         manager = self.kv_cache_manager
         num_tokens = request.num_tokens + num_extra_tokens
-        num_blocks_needed = -(-num_tokens // manager.block_size)
-        if num_blocks_needed > manager.num_blocks:
+        if num_tokens > self.num_pool_slots:
+            num_blocks_needed = -(-num_tokens // manager.block_size)
             return (f"request needs {num_tokens} tokens of KV cache ({num_blocks_needed} "
                     f"blocks of {manager.block_size}) but the whole pool holds "
                     f"{manager.num_blocks} blocks")
@@ -157,15 +171,21 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step and advance ``num_computed_tokens`` of what it computes."""
+        """Decide the next step and advance ``num_computed_tokens`` of what it computes.
+        Requests found to have outgrown the pool are finished here (``finished_requests``)."""
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         manager = self.kv_cache_manager
+        num_pool_slots = self.num_pool_slots
 
         # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_tokens > num_pool_slots:
+                # It holds every block already; preempted, it would only come back here.
+                self._finish_outgrown(request, output)
+                continue  # the next request moved up to ``index``
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:
                 index += 1
@@ -184,23 +204,28 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (no room for newcomers).
         if not output.preempted_request_ids:
+            can_split_prompts = self.config.enable_chunked_prefill
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if request.num_tokens > num_pool_slots:
+                    # A victim preempted while it had outgrown the pool, before its turn in
+                    # the running loop came.
+                    self._finish_outgrown(request, output)
+                    continue
                 hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
                 num_new_tokens = request.num_tokens - num_hit_tokens
                 if num_new_tokens > budget:
-                    if not self.config.enable_chunked_prefill:
+                    # A prompt that is not split fits an empty step (add_request checks it).
+                    # A preempted request's prompt plus outputs may not, and its cached
+                    # blocks may be gone: it is split, or it might never run again.
+                    if not can_split_prompts and request.status != RequestStatus.PREEMPTED:
                         break
                     num_new_tokens = budget
                 if manager.allocate_slots(request, num_new_tokens, num_hit_tokens,
                                           hit_blocks) is None:
-                    if self.running:
-                        break  # wait for running requests to finish and free blocks
-                    # Every block is free and it still does not fit: it has grown past the
-                    # pool (prompt plus outputs), so no amount of waiting will help.
-                    self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
-                    output.finished_requests.append(request)
-                    continue
+                    # Only running requests hold blocks, and this one fits the pool: it
+                    # is admitted once they have finished or been preempted.
+                    break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
@@ -224,6 +249,12 @@ class Scheduler:
         output.scheduled.append(scheduled)
         output.num_scheduled_tokens += num_new_tokens
         return scheduled
+
+    def _finish_outgrown(self, request: Request, output: SchedulerOutput) -> None:
+        """End ``request``, whose tokens need more blocks than the pool holds, as a
+        length limit: its outputs so far stand, it just cannot grow any further."""
+        self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+        output.finished_requests.append(request)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Free ``request``'s blocks and queue it first for recomputation. Its tokens so far
