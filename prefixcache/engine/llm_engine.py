@@ -189,7 +189,11 @@ class LLMEngine:
         expand). Raises ValueError, and queues nothing, for: a duplicate id, invalid
         params, an empty prompt or a token id outside the vocabulary, a prompt plus
         ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool.
-        A request whose generated tokens later outgrow the pool ends with ``"length"``.
+
+        A prompt that fits the pool is accepted even when prompt plus ``max_tokens`` does
+        not: it may well stop at EOS first, and a small pool is the operator's choice,
+        not the client's error. If its tokens do outgrow the pool, it ends with
+        ``"length"``, keeping every token generated so far, as at ``max_model_len``.
         """
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
@@ -217,7 +221,9 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
         request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
-        self.scheduler.add_request(request)  # ValueError if it can never fit the pool
+        # ValueError if the prompt alone can never fit the pool; max_tokens is not
+        # counted (see above).
+        self.scheduler.add_request(request)
         self.request_states[request_id] = RequestState(
             request,
             sampling_params,
@@ -257,8 +263,8 @@ class LLMEngine:
         self._pending_outputs = []
         scheduler_output = self.scheduler.schedule()
         for request in scheduler_output.finished_requests:
-            # The scheduler ended it: it outgrew the whole KV pool.
-            outputs.append(self._finish(request.request_id, RequestStatus.FINISHED_LENGTH))
+            # The scheduler ended it (it outgrew the whole KV pool) and set the status.
+            outputs.append(self._finish(request.request_id, request.status))
         if scheduler_output.scheduled:
             self._run(scheduler_output, outputs)
         return outputs

@@ -237,11 +237,51 @@ def test_reset_prefix_cache_and_kv_events(make_engine, prompt):
     assert run_to_completion(engine)["b"].num_cached_tokens == 0
 
 
-def test_a_request_outgrowing_the_pool_ends_with_length(make_engine, prompt):
-    engine = make_engine(block_size=4, num_kv_blocks=4)  # 16 token slots, prompt of 10
+@pytest.mark.parametrize("options", [
+    {},
+    # Re-admitted from token 0 a chunk at a time, it used to be preempted for ever.
+    {"enable_prefix_caching": False, "max_num_batched_tokens": 4},
+    {"enable_prefix_caching": False, "enable_chunked_prefill": False},
+])
+def test_a_request_outgrowing_the_pool_ends_with_length(make_engine, prompt, options):
+    # 16 token slots, a prompt of 10; max_tokens is not checked against the pool, since
+    # the request could stop at EOS first. The request behind it must still run.
+    engine = make_engine(block_size=4, num_kv_blocks=4, max_num_seqs=1, **options)
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30))
-    output = run_to_completion(engine)["r"]
-    assert output.finish_reason == "length"
+    engine.add_request("next", prompt[:3], SamplingParams(temperature=0, max_tokens=2))
+    finals = run_to_completion(engine, max_steps=100)
+    output = finals["r"]
+    assert output.finish_reason == "length" and output.error is None
     # Slots for 16 tokens: the 10 prompt tokens plus outputs, the last one never computed.
     assert len(output.token_ids) == 16 - len(prompt) + 1
+    assert finals["next"].finish_reason == "length" and len(finals["next"].token_ids) == 2
+    assert engine.get_stats().num_preemptions == 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_without_chunked_prefill_a_preempted_request_resumes_past_the_budget(
+        make_engine, tiny_model, enable_prefix_caching):
+    # 6 blocks of 4 cannot hold a (7 + 16 tokens) and b (6 + 10) at once: b is preempted,
+    # by then longer than the 8-token budget, and a's growth takes every block, so none of
+    # b's stays cached. b must be recomputed (in chunks) and produce what it does alone.
+    rng = random.Random(3)
+    vocab_size = tiny_model.arch_config.vocab_size
+    prompts = {"a": random_tokens(rng, 7, vocab_size), "b": random_tokens(rng, 6, vocab_size)}
+    params = {"a": SamplingParams(temperature=0, max_tokens=16),
+              "b": SamplingParams(temperature=0, max_tokens=10)}
+    expected = {}
+    for request_id, prompt in prompts.items():
+        alone = make_engine(block_size=4)
+        alone.add_request(request_id, prompt, params[request_id])
+        expected[request_id] = run_to_completion(alone)[request_id].token_ids
+    engine = make_engine(block_size=4, num_kv_blocks=6, max_num_batched_tokens=8,
+                         enable_chunked_prefill=False,
+                         enable_prefix_caching=enable_prefix_caching)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params[request_id])
+    finals = run_to_completion(engine, max_steps=100)
+    assert engine.get_stats().num_preemptions > 0
+    assert {rid: output.token_ids for rid, output in finals.items()} == expected
+    assert all(output.finish_reason == "length" for output in finals.values())
     assert_all_blocks_free(engine)
