@@ -33,17 +33,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheManager, Request
+from prefixcache.core.block_pool import BlockHashToBlockMap
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS, DeadContentFirstFreeBlockQueue
 from prefixcache.sim.prepared import PreparedTrace
 
 BELADY = "belady"
-# Offline references and diagnostics: free queues built with the trace's future, each with a
-# ``now`` attribute the replay keeps at the latest admission index.
-OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses], FreeKVCacheBlockQueue]] = {
+# Offline references and diagnostics: free queues built from the pool's blocks, the trace's
+# future and the pool's hash map, each with a ``now`` attribute the replay keeps at the
+# latest admission index.
+OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses, BlockHashToBlockMap],
+                                     FreeKVCacheBlockQueue]] = {
     BELADY: BeladyFreeBlockQueue,
-    **{name: (lambda blocks, future, kind=kind:
+    **{name: (lambda blocks, future, cached, kind=kind:
               DeadContentFirstFreeBlockQueue(blocks, future, kind))
        for name, kind in DEAD_CONTENT_KINDS.items()},
 }
@@ -152,7 +155,8 @@ class _Replay:
             pool = self.manager.block_pool
             # The free queue is the policy seam of the pool: swap in the offline one
             # before any block is used.
-            self.offline_queue = OFFLINE_POLICIES[config.policy](pool.blocks, future)
+            self.offline_queue = OFFLINE_POLICIES[config.policy](
+                pool.blocks, future, pool.cached_block_hash_to_block)
             pool.free_block_queue = self.offline_queue
         self.num_admitted = 0
         self.num_hit_tokens = 0

@@ -3,6 +3,8 @@ modes, admission."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
@@ -61,6 +63,66 @@ def test_belady_never_below_a_policy_on_random_trees(seed, mode):
                    if mode.get("timeline") else None, **mode)
     assert result.ordering_violations == []
     assert all(b <= result.infinite_hit_rate + 1e-12 for b in result.belady_hit_rates)
+
+
+def _token_requests(prompts_and_outputs):
+    return Trace("tokens", [
+        TraceRequest(i + 1, len(prompt), output_length, float(i), token_ids=tuple(prompt))
+        for i, (prompt, output_length) in enumerate(prompts_and_outputs)])
+
+
+def test_belady_drops_a_copy_that_a_recomputation_replaces():
+    """Request 2's prompt ends on block A, so it recomputes A: keeping request 0's copy of A
+    until then buys nothing. Belady must evict it (not C) when request 2 allocates, to
+    hit A in request 3 and C in request 4 — as unhashed-first happens to."""
+    trace = _token_requests([
+        ([1, 1, 0, 0, 0, 0, 0, 1, 1], 0),  # A, B, partial
+        ([1, 0, 1, 0], 1),  # C (its only block: never hit, always computed)
+        ([1, 1, 0, 0], 2),  # A again, recomputed
+        ([1, 1, 0, 0, 0], 1),  # hits A
+        ([1, 0, 1, 0, 0, 1, 1, 1, 0], 2),  # hits C
+    ])
+    prepared = prepare_trace(trace, TraceExpander(4))
+    belady = replay(prepared, ReplayConfig(3, "belady"))
+    assert belady.num_hit_tokens == 8
+    unhashed_first = replay(prepared, ReplayConfig(3, "unhashed-first"))
+    assert belady.num_hit_tokens >= unhashed_first.num_hit_tokens
+
+
+def test_belady_drops_a_free_copy_of_content_another_block_holds():
+    """With two live requests, request 3 shares request 2's recomputed copy of A while
+    request 0's old copy sits free: that free copy is worthless, so Belady keeps C."""
+    trace = _token_requests([
+        ([1, 1, 1, 2, 2, 1, 2, 0], 0),
+        ([0, 0, 1, 2, 2, 1, 1, 2, 2], 3),
+        ([1, 1, 1, 2], 1),
+        ([1, 1, 1, 2, 2, 1, 2, 0], 0),
+        ([1, 1, 1, 2, 2, 1, 2, 0, 0], 3),
+        ([0, 0, 1, 2, 2, 1, 1, 2], 1),
+    ])
+    prepared = prepare_trace(trace, TraceExpander(4))
+    result = sweep(prepared, [4], ONLINE, concurrency=2)
+    assert result.ordering_violations == []
+    assert result.belady_hit_rates[0] == max(r[0] for r in result.policy_to_hit_rates.values())
+
+
+def _block_aligned_trace(seed: int) -> Trace:
+    """Twelve prompts over two shared 8-token bases, most ending on a block boundary of 4
+    (so their last block is recomputed), with 0-3 generated tokens."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(3) for _ in range(8)] for _ in range(2)]
+    return _token_requests([
+        ((rng.choice(bases) + [rng.randrange(3) for _ in range(8)])[:rng.choice([4, 8, 9, 12])],
+         rng.randrange(4))
+        for _ in range(12)])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_belady_never_below_a_policy_when_prompts_end_on_block_boundaries(seed):
+    prepared = prepare_trace(_block_aligned_trace(seed), TraceExpander(4))
+    for concurrency in (1, 2, 3):
+        result = sweep(prepared, [4, 6, 8], ONLINE, concurrency=concurrency)
+        assert result.ordering_violations == []
 
 
 def test_belady_and_infinite_orderings_under_concurrency_and_timeline(prefix_512):
