@@ -11,7 +11,13 @@ both sides alike; medians are reported.
    tokens per second with prefix caching on vs. off (target >= 3x).
 3. ``zero_hit_overhead``: the same engine work with every prompt unique (0% hits), caching
    on vs. off: wall time ratio, median over interleaved repeats (target <= 2% slower).
-4. ``vs_transformers``: the shared-prefix workload through Hugging Face ``generate``, one
+4. ``nested_prefix_throughput``: 32 requests = a 256-token system prompt all share, then
+   one of 4 documents of 1,200 tokens (8 requests each), then 50 unique tokens; 64 output
+   tokens. Caching on with cascade attention (groups nest: the system prompt is read once,
+   each document once) vs. caching on without cascade (what grouping only by the first
+   block did here: cut at the 256 tokens all share, the suffixes stay too long to halve
+   the padded batch) vs. caching off.
+5. ``vs_transformers``: the shared-prefix workload through Hugging Face ``generate``, one
    request at a time with its own KV cache, on the same weights; measured on the first
    ``--hf-requests`` requests (sequential, so its per-request rate does not depend on how
    many) and compared with our caching-on throughput.
@@ -171,6 +177,50 @@ def bench_shared_prefix(loaded: LoadedModel, args, rng: random.Random) -> dict:
     }
 
 
+def nested_prefix_prompts(args, rng: random.Random, vocab_size: int) -> list[list[int]]:
+    system = random_prompt(rng, args.nested_system_tokens, vocab_size)
+    documents = [random_prompt(rng, args.nested_document_tokens, vocab_size)
+                 for _ in range(args.nested_documents)]
+    # Interleaved (document 0, 1, 2, 3, 0, ...) as requests about several documents arrive.
+    return [system + documents[i % len(documents)]
+            + random_prompt(rng, args.nested_unique_tokens, vocab_size)
+            for i in range(args.num_requests)]
+
+
+NO_CASCADE = 10**9  # a min_shared_prefix_tokens no group reaches
+
+
+def bench_nested_prefix(loaded: LoadedModel, args, rng: random.Random) -> dict:
+    vocab_size = loaded.arch_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    variants = {"cascade": (True, None), "no_cascade": (True, NO_CASCADE),
+                "caching_off": (False, None)}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.throughput_repeats):
+        prompts = nested_prefix_prompts(args, rng, vocab_size)
+        for name, (caching, min_shared_tokens) in variants.items():
+            engine = make_engine(loaded, caching, args.num_kv_blocks)
+            if min_shared_tokens is not None:
+                engine.runner.min_shared_prefix_tokens = min_shared_tokens
+            results[name].append(run_all(engine, prompts, params))
+    rate = {name: statistics.median(r["output_tokens"] / r["seconds"] for r in runs)
+            for name, runs in results.items()}
+    return {
+        "num_requests": args.num_requests,
+        "system_tokens": args.nested_system_tokens,
+        "documents": args.nested_documents,
+        "document_tokens": args.nested_document_tokens,
+        "unique_tokens": args.nested_unique_tokens,
+        "output_tokens": args.output_tokens,
+        "tokens_per_s": {name: round(value, 2) for name, value in rate.items()},
+        "seconds": {name: [round(r["seconds"], 2) for r in runs]
+                    for name, runs in results.items()},
+        "cached_tokens": {name: runs[0]["cached_tokens"] for name, runs in results.items()},
+        "cascade_vs_no_cascade": round(rate["cascade"] / rate["no_cascade"], 2),
+        "cascade_vs_caching_off": round(rate["cascade"] / rate["caching_off"], 2),
+    }
+
+
 def bench_zero_hit_overhead(loaded: LoadedModel, args, rng: random.Random) -> dict:
     vocab_size = loaded.arch_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.overhead_output_tokens,
@@ -290,6 +340,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--unique-tokens", type=int, default=100)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--throughput-repeats", type=int, default=1)
+    parser.add_argument("--nested-system-tokens", type=int, default=256)
+    parser.add_argument("--nested-documents", type=int, default=4)
+    parser.add_argument("--nested-document-tokens", type=int, default=1200)
+    parser.add_argument("--nested-unique-tokens", type=int, default=50)
     parser.add_argument("--num-kv-blocks", type=int, default=4096,
                         help="the same pool for caching on and off (default: 4096 blocks)")
     parser.add_argument("--overhead-requests", type=int, default=8)
@@ -298,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overhead-repeats", type=int, default=7)
     parser.add_argument("--hf-requests", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--only", choices=("ttft", "throughput", "overhead"), default=None,
+    parser.add_argument("--only", choices=("ttft", "throughput", "nested", "overhead"),
+                        default=None,
                         help="run one part (and no transformers comparison)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -312,6 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.overhead_requests, args.overhead_prompt_tokens = 2, 64
         args.overhead_output_tokens, args.overhead_repeats = 4, 3
         args.hf_requests = 2
+        args.nested_system_tokens, args.nested_documents = 256, 2
+        args.nested_document_tokens, args.nested_unique_tokens = 256, 16
     return args
 
 
@@ -337,6 +394,7 @@ def main(argv=None) -> int:
     }
     parts = [("ttft", "ttft", bench_ttft),
              ("throughput", "shared_prefix_throughput", bench_shared_prefix),
+             ("nested", "nested_prefix_throughput", bench_nested_prefix),
              ("overhead", "zero_hit_overhead", bench_zero_hit_overhead)]
     for part, key, bench in parts:
         if args.only in (None, part):

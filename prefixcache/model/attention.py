@@ -12,9 +12,10 @@ extra query rows of it for decodes).
 
 Decodes whose block tables start with the same blocks (a prefix-cache hit on a common prompt)
 use cascade attention: the shared keys are read once per group and attended by all members'
-queries in one matmul, each decode attends to its own remaining keys, and the two partial
-results are merged by their log-sum-exp. The metadata says which decodes share what; without
-shared prefixes the decodes take one padded batch over all of their keys.
+queries in one matmul, each decode attends to its own remaining keys, and the partial results
+are merged by their log-sum-exp. Groups nest (every decode shares a system prompt, subsets of
+them a document after it), each level a further run of keys. The metadata says which decodes
+share what; without shared prefixes the decodes take one padded batch over all of their keys.
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ class PagedAttention(nn.Module):
 
         Softmax over a union of key sets is the log-sum-exp-weighted mix of the softmaxes over
         its parts, so each decode attends (a) to its own suffix (`decode_key_slots`), in one
-        padded batch, and (b) if in a group, to the group's shared keys - read once and
-        attended by all members' query heads in one matmul - and the two are merged. Computed
-        in float32 so that the merge adds no rounding of its own in lower-precision models.
+        padded batch, and (b) to the shared keys of every group it is in - each group's read
+        once and attended by all members' query heads in one matmul - and the parts are
+        merged one group at a time. Computed in float32 so that the merges add no rounding of
+        their own in lower-precision models.
         """
         kv_heads, group, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         # Scaling the queries (not the scores) is the cheaper way to SDPA's default 1/sqrt(d).
@@ -153,13 +155,15 @@ class PagedAttention(nn.Module):
             prefix_attended = prefix_attended.transpose(0, 1)
             # [kv_heads, n * group] -> [kv_heads, n, group] -> [n, kv_heads, group]
             prefix_lse = prefix_lse.view(kv_heads, num_members, group).transpose(0, 1)
-            merged = _merge_partial_attention(
+            merged, merged_lse = _merge_partial_attention(
                 attended.index_select(0, rows),
                 lse.index_select(0, rows),
                 prefix_attended,
                 prefix_lse,
             )
             attended.index_copy_(0, rows, merged)
+            # Kept current because groups nest: a member's next group merges into this.
+            lse.index_copy_(0, rows, merged_lse)
         return attended
 
 
@@ -186,15 +190,17 @@ def _attend_with_lse(
 
 def _merge_partial_attention(
     first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over two disjoint key sets from each one's result [..., d] and log-sum-exp
-    [...]: each result weighted by its share of the total softmax mass. Subtracting the
-    larger log-sum-exp keeps the exponentials in range."""
+    [...]: each result weighted by its share of the total softmax mass. Returns the merged
+    result and the log-sum-exp over the union, so a third part can be merged in. Subtracting
+    the larger log-sum-exp keeps the exponentials in range."""
     max_lse = torch.maximum(first_lse, second_lse)
     first_weight = torch.exp(first_lse - max_lse).unsqueeze(-1)  # [..., 1]
     second_weight = torch.exp(second_lse - max_lse).unsqueeze(-1)
-    merged = first * first_weight + second * second_weight
-    return merged / (first_weight + second_weight)
+    total_weight = first_weight + second_weight
+    merged = (first * first_weight + second * second_weight) / total_weight
+    return merged, max_lse + torch.log(total_weight.squeeze(-1))
 
 
 def _attend_padded_with_lse(

@@ -38,15 +38,20 @@ class ChunkAttention:
 
 @dataclass(slots=True)
 class SharedPrefixGroup:
-    """Decode sequences whose keys at positions 0..num_shared_tokens-1 are the same slots.
+    """Decode sequences whose keys over one run of positions are the same slots.
 
     - `decode_rows` [num_members] int64, num_members >= 2: the group's rows of the decode
       batch (indices into `AttentionMetadata.decode_token_indices`), ascending.
-    - `key_slots` [num_shared_tokens] int64: the shared slots, positions 0.. in order. Whole
+    - `key_slots` [num_shared_tokens] int64: the shared slots, in position order. Whole
       blocks only, and strictly before every member's current position, so each member still
-      has at least its current token's key outside the prefix (its suffix is never empty).
+      has at least its current token's key outside its groups (its suffix is never empty).
 
-    Attention reads these keys once for all members instead of once per member.
+    A top-level group's run starts at position 0. Groups nest: a subset of a group's members
+    may form a further group whose run starts where the outer one's ends (every decode shares
+    a system prompt, some of them also the document after it). A decode's groups therefore
+    cover consecutive runs from position 0, and its own keys (`decode_key_slots`) follow the
+    last of them. Attention reads each group's keys once for all its members instead of once
+    per member.
     """
 
     decode_rows: torch.Tensor
@@ -66,11 +71,11 @@ class AttentionMetadata:
     - `chunks`: sequences with more than one query token, attended one at a time.
     - `decode_token_indices` [num_decodes] int64: rows of single-token sequences, which are
       attended together as one padded batch (`None` when there are none).
-    - `decode_shared_prefixes`: disjoint groups of decodes with a common shared prefix
-      (cascade attention); empty when none is worth it. A decode in no group attends to all of
-      its keys through `decode_key_slots`.
+    - `decode_shared_prefixes`: groups of decodes with a common run of shared keys (cascade
+      attention), outer groups before the groups nested in them; empty when none is worth
+      it. A decode in no group attends to all of its keys through `decode_key_slots`.
     - `decode_key_slots` [num_decodes, max_suffix_len] int64: slots of each decode's keys
-      after its group's shared prefix (all of its keys when in no group), in position order,
+      after its groups' shared runs (all of its keys when in no group), in position order,
       padded with slot 0.
     - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys.
     """

@@ -48,8 +48,9 @@ class ModelRunner:
 
     Decodes whose block tables start with at least `min_shared_prefix_tokens` tokens' worth of
     the same blocks get cascade attention over that shared prefix (see `SharedPrefixGroup`),
-    provided it at least halves the longest run of keys each decode reads on its own; below
-    either, reading the prefix once saves less than the extra attention and merge cost.
+    in nested groups where subsets share more (`_find_shared_prefixes`), provided it at
+    least halves the longest run of keys each decode reads on its own; below either,
+    reading the prefix once saves less than the extra attention and merge cost.
     """
 
     def __init__(
@@ -188,9 +189,10 @@ class ModelRunner:
         block_size = self.block_size
         shared_prefixes = self._find_shared_prefixes(block_tables, seq_lens)
         num_skipped_blocks = [0] * len(block_tables)
-        for rows, num_shared_blocks in shared_prefixes:
+        for rows, _, end_block in shared_prefixes:
             for row in rows:
-                num_skipped_blocks[row] = num_shared_blocks
+                # Nested groups come after their outer group: the last one seen is deepest.
+                num_skipped_blocks[row] = end_block
         suffix_lens = [
             seq_len - skip * block_size
             for seq_len, skip in zip(seq_lens, num_skipped_blocks, strict=True)
@@ -225,44 +227,59 @@ class ModelRunner:
         metadata.decode_shared_prefixes = tuple(
             SharedPrefixGroup(
                 decode_rows=torch.tensor(rows, dtype=torch.int64),
-                key_slots=self._block_slots(block_tables[rows[0]][:num_shared_blocks]),
+                key_slots=self._block_slots(block_tables[rows[0]][start_block:end_block]),
             )
-            for rows, num_shared_blocks in shared_prefixes
+            for rows, start_block, end_block in shared_prefixes
         )
 
     def _find_shared_prefixes(
         self, block_tables: list[list[int]], seq_lens: list[int]
-    ) -> list[tuple[list[int], int]]:
-        """Groups of decodes (rows, ascending) and how many leading blocks each group shares.
+    ) -> list[tuple[list[int], int, int]]:
+        """Groups of decodes as (rows ascending, start block, end block): the members' tables
+        hold the same blocks at positions start..end-1. Outer groups come before the groups
+        nested in them.
 
-        Decodes are grouped by their first block - the prefix cache gives requests with the
-        same first block of prompt the same block id - and a group shares the longest common
-        prefix of its members' tables, cut to the whole blocks before every member's current
-        position (whose key must stay in its own suffix). A group needs two members and at
-        least `min_shared_prefix_tokens` shared tokens. Nested sharing (all share 2 blocks, a
-        subset 90) is served only to the depth all of a first-block group share.
+        The block tables form a tree (the prefix cache gives requests with the same prompt
+        start the same block ids). Walking it from the root, every branch point that two or
+        more decodes pass through starts a set of members, whose common blocks run to their
+        next branch point - cut to the whole blocks before every member's current position,
+        whose key must stay in its own suffix. The run becomes a group if it holds at least
+        `min_shared_prefix_tokens` tokens; a shorter run is not worth a group of its own
+        (each adds a few small kernels) and is left to the groups below it to include, or,
+        where there are none, to the members' suffixes. So with every decode sharing a
+        system prompt and subsets of them a document after it, the system prompt is read
+        once, each document once, and each decode reads only its own tail.
         """
         block_size = self.block_size
-        first_block_to_rows: dict[int, list[int]] = {}
-        for row, table in enumerate(block_tables):
-            first_block_to_rows.setdefault(table[0], []).append(row)
-        shared_prefixes: list[tuple[list[int], int]] = []
-        for rows in first_block_to_rows.values():
-            if len(rows) < 2:
-                continue
-            tables = [block_tables[row] for row in rows]
-            # The current position of a sequence of length n is n - 1.
-            max_shared_blocks = min(seq_lens[row] - 1 for row in rows) // block_size
-            # The common prefix of the lexicographically smallest and largest tables is the
-            # common prefix of all of them (two C-level scans instead of one per table).
-            lowest, highest = min(tables), max(tables)
-            num_shared_blocks = 0
-            while (
-                num_shared_blocks < max_shared_blocks
-                and lowest[num_shared_blocks] == highest[num_shared_blocks]
-            ):
-                num_shared_blocks += 1
-            num_shared_tokens = num_shared_blocks * block_size
-            if num_shared_blocks and num_shared_tokens >= self.min_shared_prefix_tokens:
-                shared_prefixes.append((rows, num_shared_blocks))
+        min_blocks = -(-self.min_shared_prefix_tokens // block_size)
+        # The current position of a sequence of length n is n - 1, in block (n - 1) // size.
+        shareable_blocks = [(seq_len - 1) // block_size for seq_len in seq_lens]
+        shared_prefixes: list[tuple[list[int], int, int]] = []
+        # (rows that hold the same blocks before `depth`, depth, first block not yet in one
+        # of their groups); a stack, children pushed in reverse, for outer-first order.
+        pending = [(list(range(len(block_tables))), 0, 0)]
+        while pending:
+            rows, depth, uncovered_from = pending.pop()
+            branches: dict[int, list[int]] = {}
+            for row in rows:
+                if shareable_blocks[row] > depth:
+                    branches.setdefault(block_tables[row][depth], []).append(row)
+            children = []
+            for members in branches.values():
+                if len(members) < 2:
+                    continue
+                tables = [block_tables[row] for row in members]
+                limit = min(shareable_blocks[row] for row in members)
+                # The common prefix of the lexicographically smallest and largest tables is
+                # the common prefix of all of them (two C-level scans, not one per table).
+                lowest, highest = min(tables), max(tables)
+                end = depth + 1
+                while end < limit and lowest[end] == highest[end]:
+                    end += 1
+                start = uncovered_from
+                if end - start >= min_blocks:
+                    shared_prefixes.append((members, start, end))
+                    start = end
+                children.append((members, end, start))
+            pending.extend(reversed(children))
         return shared_prefixes

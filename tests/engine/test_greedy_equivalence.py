@@ -139,3 +139,34 @@ def test_shared_prefix_hits_inside_one_batch(make_engine, tiny_model):
     alone = make_engine(block_size=BLOCK_SIZE, enable_prefix_caching=False)
     alone.add_request("second", second, GREEDY)
     assert finals["second"].token_ids == run_to_completion(alone)["second"].token_ids
+
+
+def test_nested_cascade_attention_equals_reference(make_engine, prompts, reference,
+                                                   monkeypatch):
+    """With cascade attention from one block of sharing, the prompts' nested prefixes (five
+    share the system prompt, two of them also the document) decode in nested groups — and
+    the tokens do not change. (The unrelated prompts are left out: a long loner makes
+    cascade not worth it for the whole step.)"""
+    from prefixcache.worker import model_runner
+
+    sharing = [i for i, prompt in enumerate(prompts) if prompt[:22] == prompts[0][:22]]
+    assert len(sharing) == 5
+
+    engine = make_engine(block_size=BLOCK_SIZE)
+    engine.runner.min_shared_prefix_tokens = BLOCK_SIZE
+    nested_steps = []
+    build = model_runner.ModelRunner.build_step_inputs
+
+    def spy(runner, sequences):
+        inputs = build(runner, sequences)
+        groups = [set(group.decode_rows.tolist())
+                  for group in inputs.metadata.decode_shared_prefixes]
+        if any(inner < outer for inner in groups for outer in groups):
+            nested_steps.append(groups)  # a group nested in another, used this step
+        return inputs
+
+    monkeypatch.setattr(model_runner.ModelRunner, "build_step_inputs", spy)
+    outputs = run_batch(engine, [prompts[i] for i in sharing])
+    assert [o.token_ids for o in outputs] == [reference[i] for i in sharing]
+    assert nested_steps, "no step used a nested group"
+    assert_all_blocks_free(engine)

@@ -77,14 +77,15 @@ def decode_steps(sequences):
 
 
 @torch.inference_mode()
-def cascade_and_plain(runner, steps):
-    """Run one step's inputs twice on the same cache: cascade enabled, then disabled.
+def cascade_and_plain(runner, steps, cascade_min_tokens=1):
+    """Run one step's inputs twice on the same cache: cascade enabled (groups of at least
+    `cascade_min_tokens` tokens), then disabled.
 
     Re-running a step rewrites the same K/V into the same slots, so both read one cache.
     Returns (cascade logits, plain logits, cascade metadata).
     """
     results = []
-    for min_tokens in (1, NO_CASCADE):
+    for min_tokens in (cascade_min_tokens, NO_CASCADE):
         runner.min_shared_prefix_tokens = min_tokens
         inputs = runner.build_step_inputs(steps)
         logits = runner.model(
@@ -108,11 +109,12 @@ def slots(block_ids):
     return [block * BLOCK_SIZE + offset for block in block_ids for offset in range(BLOCK_SIZE)]
 
 
-def check_story(model_and_config, sequences):
+def check_story(model_and_config, sequences, cascade_min_tokens=1):
     """Fill, decode with and without cascade, compare; returns the cascade metadata."""
     runner = make_runner(model_and_config)
     fill_cache(runner, sequences)
-    cascade, plain, metadata = cascade_and_plain(runner, decode_steps(sequences))
+    cascade, plain, metadata = cascade_and_plain(
+        runner, decode_steps(sequences), cascade_min_tokens)
     torch.testing.assert_close(cascade, plain, **TOL)
     expected = [reference_last_logits(model_and_config, ids) for ids, _, _ in sequences]
     torch.testing.assert_close(cascade, torch.stack(expected), **TOL)
@@ -146,6 +148,67 @@ def test_two_prefixes_and_a_loner(model_and_config):
     # The loner attends to all of its 7 keys outside any group.
     assert metadata.decode_key_slots[2, :7].tolist() == slots([23, 24])[:7]
     assert metadata.decode_key_mask.view(5, -1).sum(dim=1).tolist() == [3, 6, 7, 6, 1]
+
+
+# Two "documents" after the system prompt P, each written once by its first reader.
+DOC_1 = random_token_ids(8, seed=200)  # blocks 16, 17
+DOC_2 = random_token_ids(8, seed=201)  # blocks 18, 19
+DOC_1_BLOCKS = [16, 17]
+DOC_2_BLOCKS = [18, 19]
+
+
+def test_groups_nest_a_system_prompt_then_documents(model_and_config):
+    """All decodes share P; two pairs also share a document after it: the pairs' groups
+    take the document's keys only, so P is read once and each document once."""
+    sequences = [
+        (PROMPT_P + DOC_1 + random_token_ids(3, seed=40), P_BLOCKS + DOC_1_BLOCKS + [20], 12),
+        (PROMPT_P + DOC_2 + random_token_ids(2, seed=41), P_BLOCKS + DOC_2_BLOCKS + [21], 12),
+        (PROMPT_P + DOC_1 + random_token_ids(5, seed=42),
+         P_BLOCKS + DOC_1_BLOCKS + [22, 23], 20),
+        (PROMPT_P + random_token_ids(4, seed=43), P_BLOCKS + [24], 12),
+        (PROMPT_P + DOC_2 + random_token_ids(6, seed=44),
+         P_BLOCKS + DOC_2_BLOCKS + [25, 26], 20),
+    ]
+    metadata = check_story(model_and_config, sequences)
+    assert groups_of(metadata) == [
+        ([0, 1, 2, 3, 4], slots(P_BLOCKS)),
+        ([0, 2], slots(DOC_1_BLOCKS)),
+        ([1, 4], slots(DOC_2_BLOCKS)),
+    ]
+    # Each decode reads only what follows its deepest group.
+    assert metadata.decode_key_mask.view(5, -1).sum(dim=1).tolist() == [3, 2, 5, 4, 6]
+    assert metadata.decode_key_slots[:, 0].tolist() == [
+        slots([20])[0], slots([21])[0], slots([22])[0], slots([24])[0], slots([25])[0]]
+
+
+def test_a_shared_run_below_the_minimum_is_folded_into_the_groups_below_it(model_and_config):
+    """P alone (12 tokens) is below a 16-token minimum, so it is no group of its own: each
+    document group then starts at position 0 and covers P as well."""
+    sequences = [
+        (PROMPT_P + DOC_1 + random_token_ids(3, seed=45), P_BLOCKS + DOC_1_BLOCKS + [20], 12),
+        (PROMPT_P + DOC_2 + random_token_ids(2, seed=46), P_BLOCKS + DOC_2_BLOCKS + [21], 12),
+        (PROMPT_P + DOC_1 + random_token_ids(1, seed=47), P_BLOCKS + DOC_1_BLOCKS + [22], 20),
+        (PROMPT_P + DOC_2 + random_token_ids(4, seed=48), P_BLOCKS + DOC_2_BLOCKS + [23], 20),
+    ]
+    metadata = check_story(model_and_config, sequences, cascade_min_tokens=16)
+    assert groups_of(metadata) == [
+        ([0, 2], slots(P_BLOCKS + DOC_1_BLOCKS)),
+        ([1, 3], slots(P_BLOCKS + DOC_2_BLOCKS)),
+    ]
+    assert metadata.decode_key_mask.view(4, -1).sum(dim=1).tolist() == [3, 2, 1, 4]
+
+
+def test_a_shared_run_below_the_minimum_with_no_group_below_stays_in_the_suffixes(
+        model_and_config):
+    """Two decodes share P and one more block, 16 tokens: at a 20-token minimum there is no
+    group, and every key is read through the suffixes."""
+    sequences = [
+        (PROMPT_P + DOC_1[:4] + [5], P_BLOCKS + [16, 20], 12),
+        (PROMPT_P + DOC_1[:4] + [6, 7], P_BLOCKS + [16, 21], 16),
+    ]
+    metadata = check_story(model_and_config, sequences, cascade_min_tokens=20)
+    assert metadata.decode_shared_prefixes == ()
+    assert metadata.decode_key_mask.view(2, -1).sum(dim=1).tolist() == [17, 18]
 
 
 def test_no_sequences_share(model_and_config):
