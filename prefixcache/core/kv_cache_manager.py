@@ -3,8 +3,8 @@
 The scheduler drives it per request:
 
 1. ``get_computed_blocks(request)`` — the longest run of cached full blocks matching the
-   request's prefix. Read-only: no reference counts change, so a request that is then not
-   scheduled leaves no trace.
+   request's prefix. Read-only: no reference counts (nor statistics) change, so a request
+   that is then not scheduled leaves no trace.
 2. ``allocate_slots(request, num_new_tokens, ...)`` — make room for the tokens to compute
    now. It checks first and returns None, changing nothing, when they cannot fit; else it
    touches the hit blocks, pops new blocks from the free queue head (evicting what they
@@ -33,8 +33,16 @@ from prefixcache.core.request import Request
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prefix-cache lookups since the last read: requests looked up, prompt tokens queried,
-    and tokens served from the cache (hits)."""
+    """Prefix-cache use since the last read, counted once per admission: ``requests``
+    admitted that read the cache (caching on, ``skip_reading_prefix_cache`` off), their
+    tokens at admission (``queries``) and of those, tokens served from the cache
+    (``hits``).
+
+    An admission is a request's first allocation (:meth:`KVCacheManager.allocate_slots`
+    on a request holding no blocks) — not each lookup, since a scheduler looks a request
+    that does not fit yet up again at every step. A preempted request, freed and admitted
+    again, is counted again: its hits then spare a recomputation too.
+    """
 
     requests: int = 0
     queries: int = 0
@@ -104,7 +112,8 @@ class KVCacheManager:
 
         At least the last prompt token is always left to compute (its logits are needed),
         so a hit covers at most ``(num_tokens - 1) // block_size`` blocks. Changes no
-        reference counts. Requests with ``skip_reading_prefix_cache`` get no hit (they
+        reference counts, nor the statistics (counted at admission, by
+        :meth:`allocate_slots`). Requests with ``skip_reading_prefix_cache`` get no hit (they
         still write their blocks to the cache when allocated).
         """
         if not self.enable_caching:
@@ -118,12 +127,7 @@ class KVCacheManager:
         else:
             computed = self.block_pool.cached_block_hash_to_block.get_longest_cached_prefix(
                 request.block_hashes, max_hit_blocks)
-        num_hit_tokens = len(computed) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_hit_tokens
-        return computed, num_hit_tokens
+        return computed, len(computed) * self.block_size
 
     def _find_verified_hits(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
         """Like the plain lookup, but a block counts only if it holds this very content:
@@ -172,7 +176,9 @@ class KVCacheManager:
         :meth:`get_computed_blocks` (new requests only). ``num_lookahead_tokens`` reserves
         extra slots that are not cached yet. Returns the newly allocated blocks (possibly
         empty), or None — with nothing changed — when the free blocks cannot cover them
-        (hit blocks that are free count against capacity, since touching takes them).
+        (hit blocks that are free count against capacity, since touching takes them). A
+        request's first allocation is its admission: it counts in the prefix-cache
+        statistics then, with ``num_new_computed_tokens`` as its hits.
 
         Raises ValueError, with nothing changed, for a negative count, hit blocks for a
         request that already holds blocks, ``num_new_computed_tokens`` other than the hit
@@ -229,9 +235,14 @@ class KVCacheManager:
                 return None
 
         # Committed from here on: nothing below can fail.
-        if req_blocks is None:
+        if req_blocks is None:  # the request's admission
             req_blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
+            if caching and not request.skip_reading_prefix_cache:
+                stats = self.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
         if num_hit_blocks:
             pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
@@ -277,7 +288,8 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The lookups since the previous call; the counters start again from zero."""
+        """The admissions' cache use since the previous call (see
+        :class:`PrefixCacheStats`); the counters start again from zero."""
         stats = self.prefix_cache_stats
         self.prefix_cache_stats = PrefixCacheStats()
         return stats

@@ -152,7 +152,7 @@ def test_unhashable_tokens_fail_before_anything_changes(bad_token):
     with pytest.raises(ValueError, match="integers"):
         mgr.allocate_slots(bad, bad.num_tokens)
     assert snapshot(mgr, ["held", "bad"]) == before
-    assert mgr.make_prefix_cache_stats().requests == 1  # only "held" was looked up
+    assert mgr.make_prefix_cache_stats().requests == 1  # only "held" was admitted
     assert schedule_prefill(mgr, Request("good", seq(0, 6))) == (4, [2])
 
 

@@ -117,10 +117,6 @@ class ManagerMachine(RuleBasedStateMachine):
         prompt = PREFIXES[prefix] + suffix
         req = Request(rid, prompt, cache_salt=salt, skip_reading_prefix_cache=skip_read)
         blocks, num_hit = self.mgr.get_computed_blocks(req)
-        if self.caching and not skip_read:
-            self.expected_stats[0] += 1
-            self.expected_stats[1] += len(prompt)
-            self.expected_stats[2] += num_hit
         assert num_hit == len(blocks) * BLOCK_SIZE
         assert num_hit <= len(prompt) - 1
         if not self.caching or skip_read:
@@ -137,7 +133,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert req.block_hashes[len(blocks)] not in cache
         remaining = len(prompt) - num_hit
         num_tokens = remaining if chunk is None else min(chunk, remaining)
-        self.allocate(req, num_tokens, blocks, num_hit)
+        if self.allocate(req, num_tokens, blocks, num_hit) and self.caching and not skip_read:
+            # Counted once admitted; a lookup alone is no admission.
+            self.expected_stats[0] += 1
+            self.expected_stats[1] += len(prompt)
+            self.expected_stats[2] += num_hit
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), chunk=st.integers(1, 9),

@@ -467,9 +467,42 @@ def test_prefix_cache_stats_count_requests_queries_and_hits_in_tokens():
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
     assert stats.hit_rate == 0.0
-    mgr.get_computed_blocks(Request("2", r0_tokens))
+    schedule_prefill(mgr, Request("2", r0_tokens))
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (1, 15, 12)
+
+
+def test_prefix_cache_stats_count_a_request_once_when_it_is_admitted():
+    mgr = make_manager(num_blocks=4, block_size=4)
+    a = Request("a", seq(0, 13))  # 4 blocks: the whole pool
+    schedule_prefill(mgr, a)
+    mgr.make_prefix_cache_stats()
+    # A scheduler looks a blocked request up again at every step: no admission, no count.
+    b = Request("b", seq(0, 14))
+    for _ in range(3):
+        assert schedule_prefill(mgr, b) == (12, None)
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+    mgr.free(a)
+    assert schedule_prefill(mgr, b, 1) == (12, [3])  # admitted: a chunk of one token
+    assert schedule_decode(mgr, b, []) == []  # the rest of the prompt: no new lookup
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 14, 12)
+    # Readmitted after preemption, it is looked up and counted again.
+    mgr.free(b)
+    b.num_computed_tokens = 0
+    assert schedule_prefill(mgr, b) == (12, [3])
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 14, 12)
+
+
+def test_prefix_cache_stats_leave_out_requests_that_do_not_read_the_cache():
+    for mgr, request in ((make_manager(enable_caching=False), Request("off", seq(0, 9))),
+                         (make_manager(), Request("w", seq(0, 9),
+                                                  skip_reading_prefix_cache=True))):
+        assert schedule_prefill(mgr, request) == (0, [0, 1, 2])
+        stats = mgr.make_prefix_cache_stats()
+        assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
 
 
 def test_usage_counts_blocks_held_by_requests():
