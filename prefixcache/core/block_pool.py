@@ -10,8 +10,11 @@ keeps the books:
   (ref 0, still reusable until evicted) or in use.
 
 Invariants kept by every public method: a block is cached iff it has a ``block_hash``
-and is findable under it; a free cached block is evicted (hash cleared, removed from the
-map) only when it is taken from the head of the free queue for new content.
+and is findable under it. A block loses its hash (cleared, removed from the map) in
+three places only: when it is taken from the head of the free queue for new content
+(evicted); when it is released while another block still holds its hash (a redundant
+duplicate, :meth:`BlockPool._uncache_released_duplicates`; the hash stays cached); and
+when :meth:`BlockPool.reset_prefix_cache` forgets every hash.
 
 KV events (when enabled) describe the set of cached *hashes*: ``BlockStored`` lists a hash
 only when it becomes findable, ``BlockRemoved`` only when no block holds it any more. So a

@@ -187,7 +187,10 @@ class TwoQueueFreeBlockQueue(TwoSegmentFreeBlockQueue):
     evicted blocks (hashes only, no KV). The ghost is what lets a prefix whose reuse comes
     back after longer than the cache can hold it (e.g. the second question on a long
     document) earn protection: plain SLRU only protects what is hit while still cached.
-    The mark is dropped when a block is taken for new content.
+    The mark is dropped when a block is taken for new content. An evicted block's hash
+    joins the ghost even while a duplicate block still in use holds it; that duplicate's
+    release then finds it there and is protected as if recomputed (rare noise, as in
+    ``learned-reuse``).
 
     Released blocks without a hash go to the head of probation (they hold nothing).
     Protected holds at most ``protected_fraction`` of all blocks; beyond that its least

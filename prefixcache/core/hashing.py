@@ -3,7 +3,7 @@
 A block's hash is ``hash_fn((parent_hash, tuple(block_token_ids), extra_keys_or_None))``,
 where the parent of block 0 is the *none hash* ``hash_fn(seed)``. Only full blocks are
 hashed, and a request's chain is extended incrementally as tokens arrive
-(:class:`RequestBlockHasher`), never recomputed from the start.
+(:meth:`BlockHasher.extend_request`), never recomputed from the start.
 
 Four algorithms are selectable by name:
 
