@@ -11,9 +11,9 @@ Token ids
     A JSON list of token ids, or ``{"prompt_token_ids": [...]}`` with optional
     ``timestamp`` (ms) and ``output_length`` — a user's own tokenized log.
 
-A line that is not valid JSON or does not match a format raises :class:`TraceFormatError`
-naming the file and line, unless ``skip_bad_lines`` is set: then the line is skipped and
-counted in :attr:`Trace.num_bad_lines`.
+A line that is not valid JSON (including JSON nested too deeply to parse) or does not match
+a format raises :class:`TraceFormatError` naming the file and line, unless ``skip_bad_lines``
+is set: then the line is skipped and counted in :attr:`Trace.num_bad_lines`.
 """
 
 from __future__ import annotations
@@ -120,6 +120,10 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        # The decoder recurses per level of nesting; no request is nested deeper than a
+        # few levels, so such a line is malformed, not a reason to stop the replay.
+        raise ValueError("not valid JSON (nested too deeply)") from None
     if isinstance(obj, list):
         return _parse_token_ids(obj, line_no, None)
     if not isinstance(obj, dict):

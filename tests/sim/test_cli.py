@@ -120,6 +120,11 @@ def test_clear_errors(tmp_path, capsys):
     assert "skipped 1 malformed line" in captured.err
     assert re.search(r"^requests +2$", captured.out, re.M)
 
+    deep = write_lines(tmp_path / "deep.jsonl", [[1, 2, 3], "[" * 100_000])
+    assert main(["replay", str(deep), "--num-blocks", "8", "--block-size", "2",
+                 "--skip-bad-lines", "--quiet"]) == 0
+    assert "deep.jsonl:2: not valid JSON (nested too deeply)" in capsys.readouterr().err
+
     assert main(["replay", str(bad), "--num-blocks", "8", "--plot", "x.png"]) == 1
     assert "--plot needs --sweep" in capsys.readouterr().err
 

@@ -95,3 +95,15 @@ def test_missing_empty_and_binary_files(tmp_path):
 def test_max_requests(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", [[1], [2], [3]])
     assert [r.token_ids for r in load_trace(path, max_requests=2).requests] == [(1,), (2,)]
+
+
+def test_a_line_nested_too_deeply_is_a_bad_line(tmp_path):
+    deep = "[" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parse_line(deep, 1)
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2], deep, [3]])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: not valid JSON"):
+        load_trace(path)
+    trace = load_trace(path, skip_bad_lines=True)
+    assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
+    assert trace.num_bad_lines == 1
