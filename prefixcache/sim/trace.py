@@ -14,6 +14,8 @@ Token ids
 A line that is not valid JSON (including JSON nested too deeply to parse) or does not match
 a format raises :class:`TraceFormatError` naming the file and line, unless ``skip_bad_lines``
 is set: then the line is skipped and counted in :attr:`Trace.num_bad_lines`.
+
+Files are UTF-8, with or without a byte-order mark.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
     path = Path(path)
     trace = Trace(str(path))
     try:
-        handle = path.open("r", encoding="utf-8")
+        # utf-8-sig: editors on Windows start UTF-8 files with a byte-order mark.
+        handle = path.open("r", encoding="utf-8-sig")
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such trace file") from None
     except OSError as exc:

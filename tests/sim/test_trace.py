@@ -107,3 +107,9 @@ def test_a_line_nested_too_deeply_is_a_bad_line(tmp_path):
     trace = load_trace(path, skip_bad_lines=True)
     assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
     assert trace.num_bad_lines == 1
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf[1, 2]\n[3]\n")
+    assert [r.token_ids for r in load_trace(path).requests] == [(1, 2), (3,)]
