@@ -84,7 +84,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", help="trace file (JSON lines, Mooncake or token-id format)")
+    parser.add_argument("trace", help="trace file (JSON lines, Mooncake or token-id format); "
+                                      "- reads it from standard input")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-blocks", type=positive_int, metavar="N",
                       help="replay once with a cache of N blocks")

@@ -15,17 +15,23 @@ A line that is not valid JSON (including JSON nested too deeply to parse) or doe
 a format raises :class:`TraceFormatError` naming the file and line, unless ``skip_bad_lines``
 is set: then the line is skipped and counted in :attr:`Trace.num_bad_lines`.
 
-Files are UTF-8, with or without a byte-order mark.
+Files are UTF-8, with or without a byte-order mark. The path ``-`` stands for standard
+input (named ``<stdin>`` in messages).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 MOONCAKE_BLOCK_SIZE = 512
+STDIN_PATH = "-"
+STDIN_NAME = "<stdin>"
 _TOKEN_ID_BOUND = 1 << 63  # token ids are hashed as signed 64-bit integers
 
 
@@ -137,15 +143,31 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
     raise ValueError("expected 'hash_ids' (Mooncake format) or 'prompt_token_ids'")
 
 
+def _open_stdin() -> TextIO:
+    """Standard input as UTF-8 text whatever the locale says (a trace's encoding does not
+    depend on who pipes it in); a text stream without a byte buffer is used as it is."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:
+        return sys.stdin
+    return io.TextIOWrapper(buffer, encoding="utf-8-sig")
+
+
 def load_trace(path: str | Path, skip_bad_lines: bool = False,
                max_requests: int | None = None) -> Trace:
-    """Parse a trace file; at most ``max_requests`` requests (all when None).
+    """Parse a trace file, or standard input for ``-``; at most ``max_requests`` requests
+    (all when None).
 
     Raises :class:`TraceFormatError` for a missing or unreadable file, a bad line (unless
     ``skip_bad_lines``), or a file with no requests.
     """
+    if str(path) == STDIN_PATH:
+        handle = _open_stdin()
+        try:
+            return _read_trace(handle, STDIN_NAME, skip_bad_lines, max_requests)
+        finally:
+            if handle is not sys.stdin:
+                handle.detach()  # leave sys.stdin's buffer open for its owner
     path = Path(path)
-    trace = Trace(str(path))
     try:
         # utf-8-sig: editors on Windows start UTF-8 files with a byte-order mark.
         handle = path.open("r", encoding="utf-8-sig")
@@ -154,25 +176,31 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot open trace: {exc.strerror}") from None
     with handle:
-        try:
-            for line_no, text in enumerate(handle, start=1):
-                if max_requests is not None and len(trace.requests) >= max_requests:
-                    break
-                if not text.strip():
-                    continue
-                try:
-                    trace.requests.append(parse_line(text, line_no))
-                except (ValueError, KeyError, TypeError) as exc:
-                    reason = f"{path}:{line_no}: {exc}"
-                    if not skip_bad_lines:
-                        raise TraceFormatError(
-                            f"{reason} (use --skip-bad-lines to skip such lines)"
-                        ) from None
-                    trace.num_bad_lines += 1
-                    if trace.first_bad_line is None:
-                        trace.first_bad_line = reason
-        except UnicodeDecodeError as exc:
-            raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+        return _read_trace(handle, str(path), skip_bad_lines, max_requests)
+
+
+def _read_trace(handle: TextIO, path: str, skip_bad_lines: bool,
+                max_requests: int | None) -> Trace:
+    trace = Trace(path)
+    try:
+        for line_no, text in enumerate(handle, start=1):
+            if max_requests is not None and len(trace.requests) >= max_requests:
+                break
+            if not text.strip():
+                continue
+            try:
+                trace.requests.append(parse_line(text, line_no))
+            except (ValueError, KeyError, TypeError) as exc:
+                reason = f"{path}:{line_no}: {exc}"
+                if not skip_bad_lines:
+                    raise TraceFormatError(
+                        f"{reason} (use --skip-bad-lines to skip such lines)"
+                    ) from None
+                trace.num_bad_lines += 1
+                if trace.first_bad_line is None:
+                    trace.first_bad_line = reason
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
     if not trace.requests:
         raise TraceFormatError(f"{path}: no requests in the trace")
     return trace

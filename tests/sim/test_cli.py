@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import sys
@@ -103,6 +104,19 @@ def test_token_id_trace(tmp_path, capsys):
     assert re.search(r"^hit tokens +24$", out, re.M)  # the second hits three 8-token blocks
 
 
+def test_dash_replays_a_trace_from_standard_input(small_trace, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(small_trace.read_bytes())))
+    assert main(["replay", "-", "--num-blocks", "2000", "--block-size", "512",
+                 "--quiet"]) == 0
+    from_stdin = capsys.readouterr().out
+    assert main(["replay", str(small_trace), "--num-blocks", "2000", "--block-size", "512",
+                 "--quiet"]) == 0
+    from_file = capsys.readouterr().out
+    hit_rate = re.compile(r"^token hit rate .*$", re.M)
+    assert re.search(r"^requests +200$", from_stdin, re.M)
+    assert hit_rate.search(from_stdin).group() == hit_rate.search(from_file).group()
+
+
 def test_clear_errors(tmp_path, capsys):
     missing = tmp_path / "absent.jsonl"
     assert main(["replay", str(missing), "--num-blocks", "8"]) == 1
@@ -157,7 +171,7 @@ def test_help_explains_formats_and_modes(capsys):
         main(["replay", "--help"])
     text = capsys.readouterr().out
     for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
-                   "--kv-bytes-per-token", "--skip-bad-lines", "rejected"):
+                   "--kv-bytes-per-token", "--skip-bad-lines", "rejected", "standard input"):
         assert phrase in text
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
 from prefixcache.sim.trace import TraceFormatError, load_trace, parse_line
@@ -113,3 +116,13 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf[1, 2]\n[3]\n")
     assert [r.token_ids for r in load_trace(path).requests] == [(1, 2), (3,)]
+
+
+def test_dash_reads_standard_input_as_utf8(monkeypatch):
+    stdin = io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf[1, 2]\n{oops\n[3]\n"),
+                             encoding="latin-1")  # the locale's choice must not matter
+    monkeypatch.setattr(sys, "stdin", stdin)
+    trace = load_trace("-", skip_bad_lines=True)
+    assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
+    assert trace.path == "<stdin>" and trace.first_bad_line.startswith("<stdin>:2: ")
+    assert not stdin.buffer.closed  # sys.stdin is still usable afterwards
