@@ -3,6 +3,8 @@ the right status."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -24,6 +26,17 @@ def chat(**fields):
 
 def without(body, field):
     return {k: v for k, v in body.items() if k != field}
+
+
+def error_of(response) -> dict:
+    """The error of ``response``, checked to be written as every error of the server is:
+    compact JSON (no spaces after separators, non-ASCII as is)."""
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert response.content == json.dumps(body, ensure_ascii=False,
+                                          separators=(",", ":")).encode("utf-8")
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
 
 
 BAD_REQUESTS = [
@@ -68,7 +81,9 @@ BAD_REQUESTS = [
     ("stop-number", COMPLETIONS, completion(stop=5), 400, "stop"),
     ("stop-empty", COMPLETIONS, completion(stop=[""]), 400, "stop"),
     ("seed-string", COMPLETIONS, completion(seed="1"), 400, "seed"),
-    ("token-outside-vocab", COMPLETIONS, completion(prompt=[1, 10**6]), 400, None),
+    ("token-outside-vocab", COMPLETIONS, completion(prompt=[1, 10**6]), 400, "prompt"),
+    ("token-outside-vocab-in-batch", COMPLETIONS, completion(prompt=[[1], [2, 10**6]]), 400,
+     "prompt"),
     ("negative-token", COMPLETIONS, completion(prompt=[1, -2]), 400, "prompt"),
     ("salt-empty", COMPLETIONS, completion(cache_salt=""), 400, "cache_salt"),
     ("salt-too-long", COMPLETIONS, completion(cache_salt="s" * 129), 400, "cache_salt"),
@@ -88,7 +103,7 @@ BAD_REQUESTS = [
 def test_bad_request_gets_an_openai_error(http, path, body, status, param):
     response = http.post(path, json=body)
     assert response.status_code == status, response.text
-    error = response.json()["error"]
+    error = error_of(response)
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] == "invalid_request_error"
     if param is not None:  # the field, or a path inside it (messages.0.role)
@@ -122,7 +137,9 @@ def test_oversized_body_is_413_declared_or_streamed(http):
     big = completion(prompt="x " * 40_000)  # > 64 KiB, the server's limit here
     response = http.post(COMPLETIONS, json=big)
     assert response.status_code == 413
-    assert response.json()["error"]["code"] == "body_too_large"
+    # Refused by the middleware before any route runs, yet written like every error.
+    error = error_of(response)
+    assert error["code"] == "body_too_large" and error["type"] == "invalid_request_error"
 
     def chunks():  # no Content-Length: the server must count as it reads
         for _ in range(100):
@@ -131,13 +148,14 @@ def test_oversized_body_is_413_declared_or_streamed(http):
     response = http.post(COMPLETIONS, content=chunks(),
                          headers={"Content-Type": "application/json"})
     assert response.status_code == 413
+    assert error_of(response)["code"] == "body_too_large"
 
 
 def test_unknown_route_and_wrong_method_are_json_errors(http):
     response = http.get("/v1/nothing-here")
-    assert response.status_code == 404 and "error" in response.json()
+    assert response.status_code == 404 and error_of(response)["message"]
     response = http.get(COMPLETIONS)
-    assert response.status_code == 405 and "error" in response.json()
+    assert response.status_code == 405 and error_of(response)["message"]
 
 
 def test_openai_client_raises_typed_errors(openai_client):

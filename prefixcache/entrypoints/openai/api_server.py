@@ -31,6 +31,8 @@ from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
     error_body,
+    error_json,
+    error_response,
     from_validation_error,
 )
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
@@ -99,7 +101,7 @@ def _too_large_body(limit: int) -> dict[str, Any]:
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    payload = json.dumps(body).encode("utf-8")
+    payload = error_json(body).encode("utf-8")
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode("ascii"))]})
@@ -222,20 +224,20 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
             raise APIError(401, str(exc), code="invalid_api_key") from exc
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.to_body(), status_code=exc.status)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc.status, exc.to_body())
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         code = "body_too_large" if exc.status_code == 413 else None
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),
-                            status_code=exc.status_code, headers=exc.headers)
+        return error_response(exc.status_code,
+                              error_body(exc.status_code, str(exc.detail), code=code),
+                              headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
-                            status_code=500)
+        return error_response(500, error_body(500, f"internal error: {type(exc).__name__}"))
 
     async def generate(raw_request: Request, request_cls: type[BaseModel],
                        create: Any) -> Response:
@@ -274,7 +276,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     async def health() -> Response:
         if llm.is_healthy:
             return Response(status_code=200)
-        return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return error_response(503, error_body(503, "the engine is not running"))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

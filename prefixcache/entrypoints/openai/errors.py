@@ -4,13 +4,20 @@ Every error the server returns has the body OpenAI's API uses, which the ``opena
 client turns into typed exceptions (``BadRequestError``, ``NotFoundError``, ...)::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+and is written by :func:`error_json`, whatever sends it (an exception handler, the body
+size middleware before any route runs, or an event of a stream), so every error reads the
+same on the wire: compact, like every other response of the server.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.responses import Response
 
 _STATUS_TO_TYPE = {
     400: "invalid_request_error",
@@ -43,6 +50,21 @@ def error_body(status: int, message: str, *, param: str | None = None,
     error_type = _STATUS_TO_TYPE.get(status, "server_error" if status >= 500
                                      else "invalid_request_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_json(body: dict[str, Any]) -> str:
+    """``body`` as JSON text, compact like FastAPI's and pydantic's output (no spaces
+    after separators, non-ASCII as is). A lone surrogate that reached a message (an echo of
+    bad input) is written as its JSON escape rather than failing the response."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_response(status: int, body: dict[str, Any],
+                   headers: Mapping[str, str] | None = None) -> Response:
+    """The HTTP response carrying an :func:`error_body`."""
+    return Response(error_json(body), status_code=status, headers=headers,
+                    media_type="application/json")
 
 
 def bad_request(message: str, *, param: str | None = None,

@@ -12,7 +12,6 @@ against what the context leaves. The engine re-checks; its ValueError is a 400 t
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from prefixcache.engine.async_llm import AsyncLLM, NewRequest
 from prefixcache.engine.output_stream import EngineDeadError, OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body
+from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body, error_json
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -241,8 +240,9 @@ class OpenAIServing:
         try:
             stream = await self.llm.add_requests(new_requests)
         except ValueError as exc:
-            raise bad_request(_in_client_terms(str(exc), request_id_to_index, n,
-                                               len(prompts_token_ids))) from exc
+            message, param = _in_client_terms(str(exc), request_id_to_index, n,
+                                              len(prompts_token_ids))
+            raise bad_request(message, param=param) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
@@ -306,13 +306,13 @@ class OpenAIServing:
             errors = [o.error or "generation failed" for o in run.final_outputs.values()
                       if o.finish_reason == "error"]
             if errors:
-                yield f"data: {json.dumps(error_body(500, errors[0]))}\n\n"
+                yield f"data: {error_json(error_body(500, errors[0]))}\n\n"
             elif include_usage:
                 usage_chunk = self._usage_chunk(run)
                 yield f"data: {usage_chunk}\n\n"
             yield "data: [DONE]\n\n"
         except EngineDeadError as exc:
-            yield f"data: {json.dumps(error_body(503, str(exc)))}\n\n"
+            yield f"data: {error_json(error_body(503, str(exc)))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if len(run.final_outputs) < len(run.request_id_to_index):
@@ -352,13 +352,18 @@ class OpenAIServing:
 
 
 def _in_client_terms(message: str, request_id_to_index: dict[str, int], n: int,
-                     num_prompts: int) -> str:
-    """An engine error about one of our internal requests, in the client's terms: the
-    engine names the request by its internal id (``request 'cmpl-…-1-0': …``), which means
-    nothing to the client; name the prompt instead (or nothing, for a single prompt)."""
+                     num_prompts: int) -> tuple[str, str | None]:
+    """An engine error about one of our internal requests, in the client's terms, and the
+    request field it is about.
+
+    The engine names the request by its internal id (``request 'cmpl-…-1-0': …``), which
+    means nothing to the client; name the prompt instead (or nothing, for a single
+    prompt). Such an error is about the prompt (a token id outside the vocabulary, ...):
+    the sampling parameters were validated here before the engine saw them. Any other
+    message is returned as is, naming no field."""
     for request_id, index in request_id_to_index.items():
         prefix = f"request {request_id!r}: "
         if message.startswith(prefix):
             rest = message[len(prefix):]
-            return rest if num_prompts == 1 else f"prompt {index // n}: {rest}"
-    return message
+            return (rest if num_prompts == 1 else f"prompt {index // n}: {rest}"), "prompt"
+    return message, None
