@@ -185,6 +185,8 @@ class BeladyFreeBlockQueue(FreeKVCacheBlockQueue):
         return self._pop_best()
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n < 0:
+            raise ValueError(f"cannot take a negative number of blocks ({n})")
         if n > self.num_free_blocks:
             raise ValueError(
                 f"No free blocks available: asked for {n}, {self.num_free_blocks} free"

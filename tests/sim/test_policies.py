@@ -97,6 +97,16 @@ def test_belady_queue_keeps_the_core_invariants(seed):
     random_workload(mgr, seed, on_admit=on_admit)
 
 
+def test_belady_queue_refuses_a_negative_count_and_changes_nothing():
+    mgr = KVCacheManager(4, 4)
+    queue = BeladyFreeBlockQueue(mgr.block_pool.blocks, FutureUses([], []))
+    with pytest.raises(ValueError, match="negative"):
+        queue.popleft_n(-1)
+    assert queue.num_free_blocks == 4
+    assert queue.popleft_n(0) == []
+    assert len(queue.popleft_n(4)) == 4
+
+
 def _design_example(mgr: KVCacheManager) -> list[list[int]]:
     """The design's ten-block example (time 1 to 6); the allocated block ids per step."""
     tokens = list(range(15))
