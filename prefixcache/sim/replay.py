@@ -22,6 +22,10 @@ tokens of *every* request, so a rejected request counts as all misses.
 Because admission depends only on the number of free blocks, which every policy leaves
 the same (see :mod:`prefixcache.sim.belady`), all policies admit the same requests in the
 same order; only their hits differ.
+
+A capacity above the trace's whole demand (:func:`num_blocks_to_simulate`) is replayed
+with a pool of just that demand: the figures are the same, and a capacity of 10**20
+blocks costs no more memory than the trace itself.
 """
 
 from __future__ import annotations
@@ -64,6 +68,25 @@ def arrival_order(prepared: PreparedTrace) -> list[int]:
     return sorted(range(len(timestamps)), key=timestamps.__getitem__)
 
 
+def num_blocks_to_simulate(prepared: PreparedTrace, num_blocks: int) -> int:
+    """The pool size that replays a cache of ``num_blocks`` exactly: ``num_blocks``, or
+    the trace's demand — every request's block table summed — when that is smaller.
+
+    Why a pool of the demand gives every figure of a larger one: every request is then
+    admissible, and a request allocates at most its block table, so all the blocks ever
+    taken from the free queue number at most the demand. Every policy takes a block that
+    holds nothing cached (never used, or freed without a hash) before evicting cached
+    content — ``lru`` has the never-used blocks at its head, the others put hashless
+    blocks first — and such blocks never run out: nothing is evicted, nobody waits, in
+    either pool. Hits, admissions, delays, waits and blocks in use are then the same;
+    only block ids differ. (The policies' size-dependent knobs — learned-reuse's decay,
+    2q's protected share and both ghost lists — act only after evictions or on more
+    insertions than the demand, and placement alone cannot change a hit.)
+    """
+    demand = sum(prepared.blocks_needed)
+    return min(num_blocks, max(demand, 1))
+
+
 def policy_names() -> list[str]:
     """Every policy a replay accepts: the core's online policies, then the offline ones
     (``belady`` and the dead-content diagnostics of :mod:`prefixcache.sim.dead_content`)."""
@@ -104,7 +127,7 @@ class ReplayResult:
     the mean is per admission (sequential) or time-weighted (timeline)."""
 
     policy: str
-    num_blocks: int
+    num_blocks: int  # the capacity asked for, whatever pool replayed it
     block_size: int
     mode: str
     concurrency: int | None
@@ -140,8 +163,9 @@ class _Replay:
         self.config = config
         self.progress = progress
         expander = prepared.expander
+        self.num_pool_blocks = num_blocks_to_simulate(prepared, config.num_blocks)
         self.manager = KVCacheManager(
-            config.num_blocks, expander.block_size, hash_algo=expander.hash_algo,
+            self.num_pool_blocks, expander.block_size, hash_algo=expander.hash_algo,
             hash_seed=expander.hash_seed,
             eviction_policy="lru" if config.policy in OFFLINE_POLICIES else config.policy,
         )
@@ -164,6 +188,12 @@ class _Replay:
         self.num_delayed = 0
         self.peak_usage = 0.0
         self._since_progress = 0
+
+    def _usage(self) -> float:
+        """Fraction of the requested capacity held by live requests (the pool may be
+        smaller than the capacity; see :func:`num_blocks_to_simulate`)."""
+        num_used = self.num_pool_blocks - self.manager.block_pool.get_num_free_blocks()
+        return num_used / self.config.num_blocks
 
     def _make_request(self, index: int) -> Request:
         prepared = self.prepared
@@ -195,7 +225,7 @@ class _Replay:
         self.num_admitted += 1
         self.num_hit_tokens += num_hit_tokens
         self.num_blocks_allocated += len(new_blocks)
-        usage = manager.usage
+        usage = self._usage()
         if usage > self.peak_usage:
             self.peak_usage = usage
         self._since_progress += 1
@@ -266,7 +296,7 @@ class _Replay:
                     # Cannot fail forever: alone, any admissible request fits.
                     manager.free(live.popleft())
             live.append(request)
-            usage_sum += manager.usage
+            usage_sum += self._usage()
         while live:
             manager.free(live.popleft())
         return usage_sum / self.num_admitted if self.num_admitted else 0.0
@@ -284,7 +314,7 @@ class _Replay:
 
         def advance(to: float) -> None:
             nonlocal usage_area, clock
-            usage_area += manager.usage * (to - clock)
+            usage_area += self._usage() * (to - clock)
             clock = to
 
         def admit_waiting() -> None:

@@ -89,6 +89,25 @@ def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_capacity_far_beyond_the_trace_is_cheap_and_exact(small_trace, tmp_path, capsys):
+    """10**20 blocks would never fit in memory: the replay uses a pool of the trace's
+    demand (tests/sim/test_replay.py checks that this is exact) and reports the capacity
+    asked for; the hit rate is the infinite cache's."""
+    out = tmp_path / "out.json"
+    huge = str(10**20)
+    assert main(["replay", str(small_trace), "--num-blocks", huge, "--block-size", "512",
+                 "--json", str(out), "--quiet"]) == 0
+    assert "100,000,000,000,000,000,000 blocks x 512 tokens" in capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["num_blocks"] == 10**20 and run["num_evictions"] == 0
+    assert main(["replay", str(small_trace), "--sweep", f"1000,{huge}", "--block-size", "512",
+                 "--json", str(out), "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["capacities_blocks"] == [1000, 10**20]
+    assert payload["policy_hit_rates"]["lru"][1] == payload["belady_hit_rates"][1] \
+        == payload["infinite_hit_rate"] == run["hit_rate"]
+
+
 def test_timeline_mode(small_trace, capsys):
     assert main(["replay", str(small_trace), "--num-blocks", "3000", "--block-size", "512",
                  "--timeline", "--decode-tokens-per-s", "5", "--quiet"]) == 0

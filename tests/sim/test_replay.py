@@ -3,6 +3,7 @@ modes, admission."""
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -10,12 +11,14 @@ import pytest
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
-from prefixcache.sim.replay import ReplayConfig, replay
+from prefixcache.sim.replay import ReplayConfig, num_blocks_to_simulate, policy_names, replay
 from prefixcache.sim.sweep import infinite_cache_hit_rate, sweep
 from prefixcache.sim.trace import Trace, TraceRequest
 from tests.sim.helpers import prepared_prefix, random_mooncake_trace, simple_lru_hit_rate
 
 ONLINE = list(EVICTION_POLICIES)
+# The module, not the function that prefixcache.sim exports under the same name.
+replay_module = importlib.import_module("prefixcache.sim.replay")
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,55 @@ def test_infinite_hit_rate_is_the_replay_with_a_cache_that_never_fills(prefix_51
     result = replay(prefix_512, ReplayConfig(huge, "lru"))
     assert result.num_evictions == 0
     assert result.hit_rate == infinite_cache_hit_rate(prefix_512)
+
+
+def _figures(result) -> dict:
+    """Everything a replay reports except timings and the capacity-relative usages."""
+    figures = result.to_dict()
+    for key in ("num_blocks", "peak_usage", "mean_usage", "replay_seconds", "requests_per_s",
+                "blocks_per_s"):
+        del figures[key]
+    return figures
+
+
+def test_a_huge_capacity_replays_with_a_pool_of_the_trace_demand(prefix_512, monkeypatch):
+    pool_sizes = []
+
+    class RecordingManager(replay_module.KVCacheManager):
+        def __init__(self, num_blocks, *args, **kwargs):
+            pool_sizes.append(num_blocks)
+            super().__init__(num_blocks, *args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "KVCacheManager", RecordingManager)
+    demand = sum(prefix_512.blocks_needed)
+    at_demand = replay(prefix_512, ReplayConfig(demand, "lru"))
+    huge = replay(prefix_512, ReplayConfig(10**20, "lru"))
+    assert pool_sizes == [demand, demand]
+    assert huge.num_blocks == 10**20
+    assert huge.hit_rate == infinite_cache_hit_rate(prefix_512)
+    assert _figures(huge) == _figures(at_demand)
+    # Usages are fractions of the capacity asked for.
+    assert 0 < huge.peak_usage == pytest.approx(at_demand.peak_usage * demand / 10**20)
+    assert huge.mean_usage == pytest.approx(at_demand.mean_usage * demand / 10**20)
+    # Below the demand the pool is the capacity itself.
+    assert num_blocks_to_simulate(prefix_512, demand - 1) == demand - 1
+
+
+@pytest.mark.parametrize("mode", [{"concurrency": 3}, {"timeline": True}])
+def test_a_pool_of_the_demand_reports_what_a_larger_pool_does(mode, monkeypatch):
+    """The shortcut against the real thing: with it disabled, a pool five times the demand
+    gives the same figures, for every policy, as the shortcut's pool of the demand."""
+    prepared = prepare_trace(random_mooncake_trace(3), TraceExpander(128))
+    demand = sum(prepared.blocks_needed)
+    for policy in policy_names():
+        shortcut = replay(prepared, ReplayConfig(5 * demand, policy, **mode))
+        with monkeypatch.context() as patch:
+            patch.setattr(replay_module, "num_blocks_to_simulate", lambda _, n: n)
+            full = replay(prepared, ReplayConfig(5 * demand, policy, **mode))
+        assert _figures(shortcut) == _figures(full), policy
+        assert shortcut.num_evictions == 0 and shortcut.num_hit_tokens > 0
+        assert shortcut.peak_usage == full.peak_usage
+        assert shortcut.mean_usage == pytest.approx(full.mean_usage)
 
 
 def test_the_timeline_infinite_ceiling_follows_arrival_order():
