@@ -146,6 +146,21 @@ def _why_not_writable(path: str) -> str | None:
     return None
 
 
+def _check_option_combinations(args: argparse.Namespace) -> None:
+    """Usage errors (exit 2, with the usage line) for options that argparse accepts one
+    by one but that make no sense together."""
+    from prefixcache.sim.replay import BELADY
+
+    parser = args.parser
+    if args.plot and not args.sweep:
+        parser.error("--plot needs --sweep (a curve over several capacities)")
+    if args.decode_tokens_per_s is not None and not args.timeline:
+        parser.error("--decode-tokens-per-s applies to --timeline only")
+    if args.sweep and args.no_belady and all(p == BELADY for p in args.policy):
+        parser.error("--no-belady leaves this sweep nothing to replay: name an online "
+                     "--policy too")
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -156,13 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.sim.sweep import sweep
     from prefixcache.sim.trace import TraceFormatError, load_trace
 
-    if args.plot and not args.sweep:
-        return _error("--plot needs --sweep (a curve over several capacities)")
-    if args.decode_tokens_per_s is not None and not args.timeline:
-        return _error("--decode-tokens-per-s applies to --timeline only")
-    if args.sweep and args.no_belady and all(p == BELADY for p in args.policy):
-        return _error("--no-belady leaves this sweep nothing to replay: name an online "
-                      "--policy too")
+    _check_option_combinations(args)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         reason = path and _why_not_writable(path)
         if reason:
