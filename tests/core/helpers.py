@@ -1,4 +1,5 @@
-"""Small drivers shared by the core tests: they play the scheduler's part, one step at a time.
+"""Small drivers shared by the core tests: they play the scheduler's part, one step at a time
+(and for the scheduler's own tests, ``step`` plays the engine's).
 
 Every helper goes through the public surface of ``prefixcache.core`` only
 (``get_computed_blocks`` / ``allocate_slots`` / ``free`` and the documented inspection
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixcache.core import KVCacheManager, Request
+from prefixcache.core.request import RequestStatus
+from prefixcache.core.scheduler import Scheduler
 
 # The repo root's parent holds the shared design material (tests/core/x.py -> parents[3]).
 SHARED_DIR = Path(__file__).resolve().parents[3] / "shared"
@@ -91,3 +94,16 @@ def snapshot(mgr: KVCacheManager, request_ids: Sequence[str] = ()) -> tuple:
 def seq(start: int, n: int) -> list[int]:
     """``n`` consecutive token ids from ``start``: distinct, readable prompts."""
     return list(range(start, start + n))
+
+
+def step(scheduler: Scheduler, max_tokens: dict[str, int]):
+    """One engine step: sample token ``1000 + len(outputs)`` for each sequence that needs
+    logits; finish requests that reached their max_tokens."""
+    output = scheduler.schedule()
+    for scheduled in output.scheduled:
+        request = scheduled.request
+        if scheduled.needs_logits:
+            request.append_output_token_ids(1000 + request.num_output_tokens)
+            if request.num_output_tokens >= max_tokens[request.request_id]:
+                scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+    return output

@@ -8,6 +8,7 @@ import pytest
 from prefixcache.core import KVCacheManager, Request
 from prefixcache.core.request import RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerConfig
+from tests.core.helpers import step
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
@@ -15,19 +16,6 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_
     manager = KVCacheManager(num_blocks, block_size)
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
     return Scheduler(config, manager)
-
-
-def step(scheduler: Scheduler, max_tokens: dict[str, int]):
-    """One engine step: sample token ``1000 + len(outputs)`` for each sequence that needs
-    logits; finish requests that reached their max_tokens."""
-    output = scheduler.schedule()
-    for scheduled in output.scheduled:
-        request = scheduled.request
-        if scheduled.needs_logits:
-            request.append_output_token_ids(1000 + request.num_output_tokens)
-            if request.num_output_tokens >= max_tokens[request.request_id]:
-                scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
-    return output
 
 
 def test_prefill_then_decode_one_token_per_step():

@@ -15,6 +15,7 @@ import pytest
 from prefixcache.core import KVCacheManager, Request
 from prefixcache.core.request import RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerConfig
+from tests.core.helpers import step
 
 
 def make_scheduler(num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
@@ -33,14 +34,7 @@ def run(scheduler: Scheduler, max_tokens: dict[str, int], max_steps: int):
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             return outputs
-        output = scheduler.schedule()
-        outputs.append(output)
-        for scheduled in output.scheduled:
-            request = scheduled.request
-            if scheduled.needs_logits:
-                request.append_output_token_ids(1000 + request.num_output_tokens)
-                if request.num_output_tokens >= max_tokens[request.request_id]:
-                    scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+        outputs.append(step(scheduler, max_tokens))
     unfinished = {rid: (r.status.value, r.num_tokens) for rid, r in scheduler.requests.items()}
     raise AssertionError(f"unfinished after {max_steps} steps: {unfinished}")
 
@@ -162,8 +156,8 @@ def test_random_workloads_always_finish_and_free_every_block():
         arrivals.sort(key=lambda arrival: arrival[0])
         admitted = []
         bound = 20 + 200 * len(arrivals)
-        for step in range(bound):
-            while arrivals and arrivals[0][0] <= step:
+        for step_index in range(bound):
+            while arrivals and arrivals[0][0] <= step_index:
                 request = arrivals.pop(0)[1]
                 try:
                     scheduler.add_request(request)
