@@ -63,7 +63,8 @@ def format_learned_reuse(state: dict) -> str:
 
 
 def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) -> str:
-    """Token hit rate (%) per capacity: one column per policy, then Belady and infinite."""
+    """Token hit rate per capacity, in percent (each value says so): one column per
+    policy, then Belady and infinite."""
     columns = [*result.policies, *(["belady"] if result.belady_hit_rates else []), "infinite"]
     header = ["blocks", "GiB", *columns]
     lines = []
@@ -74,7 +75,7 @@ def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) 
         rates.append(result.infinite_hit_rate)
         lines.append([f"{num_blocks:,}",
                       f"{capacity_gib(num_blocks, block_size, kv_bytes_per_token):.2f}",
-                      *(f"{100 * r:.2f}" for r in rates)])
+                      *(f"{100 * r:.2f}%" for r in rates)])
     widths = [max(len(row[k]) for row in [header, *lines]) for k in range(len(header))]
     text = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
             for row in [header, *lines]]

@@ -80,6 +80,9 @@ def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "belady" in text and "infinite" in text and "widest LRU->Belady gap" in text
     payload = json.loads(out.read_text())
+    # Hit rates carry their unit: the row at 300 blocks ends with the infinite cache's.
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("300 "))
+    assert row.endswith(f"{100 * payload['infinite_hit_rate']:.2f}%")
     assert payload["capacities_blocks"] == [300, 1000]
     assert payload["ordering_violations"] == []
     assert set(payload["policy_hit_rates"]) == {"lru", "unhashed-first", "2q"}
