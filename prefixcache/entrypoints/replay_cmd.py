@@ -161,6 +161,32 @@ def _check_option_combinations(args: argparse.Namespace) -> None:
                      "--policy too")
 
 
+def _is_same_file(path: str, other: str) -> bool:
+    """Whether two paths name one file: equal once resolved (symlinks, ``..``), or, for
+    files that exist, the same inode (hard links, case-insensitive file systems)."""
+    if os.path.realpath(path) == os.path.realpath(other):
+        return True
+    try:
+        return os.path.samefile(path, other)
+    except OSError:  # one does not exist (yet): only the resolved paths could match
+        return False
+
+
+def _check_files_apart(args: argparse.Namespace) -> None:
+    """A usage error if an output would overwrite the trace or the other output, before
+    anything is written (or replayed)."""
+    from prefixcache.sim.trace import STDIN_PATH
+
+    files = [] if args.trace == STDIN_PATH else [("the trace", args.trace)]
+    files += [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot))
+              if path]
+    for i, (name, path) in enumerate(files):
+        for earlier_name, earlier_path in files[:i]:
+            if _is_same_file(path, earlier_path):
+                args.parser.error(f"{name} {path} is the same file as {earlier_name}: "
+                                  f"writing it would destroy {earlier_name}")
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -172,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.sim.trace import TraceFormatError, load_trace
 
     _check_option_combinations(args)
+    _check_files_apart(args)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         reason = path and _why_not_writable(path)
         if reason:

@@ -221,6 +221,29 @@ def test_unwritable_outputs_fail_before_the_replay(small_trace, tmp_path, capsys
     assert existing.read_text() == "keep me" and not fresh.exists()
 
 
+def test_outputs_that_would_overwrite_the_trace_or_each_other_are_refused(small_trace,
+                                                                         tmp_path, capsys):
+    original = small_trace.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(small_trace)
+    out = tmp_path / "out.json"
+    cases = [
+        (["--num-blocks", "8", "--json", str(small_trace)], "--json", "the trace"),
+        (["--num-blocks", "8", "--json", str(link)], "--json", "the trace"),
+        (["--sweep", "8", "--plot", str(tmp_path / ".." / tmp_path.name / small_trace.name)],
+         "--plot", "the trace"),
+        (["--sweep", "8", "--json", str(out), "--plot", str(out)], "--plot", "--json"),
+    ]
+    for extra, name, victim in cases:
+        with pytest.raises(SystemExit) as info:
+            main(["replay", str(small_trace), "--block-size", "512", "--quiet", *extra])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: {name} " in err and f"is the same file as {victim}" in err
+        assert "Traceback" not in err
+    assert small_trace.read_bytes() == original and not out.exists()
+
+
 @pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
                                              (False, False, False)])
 def test_progress_bar_only_on_a_terminal_and_not_with_quiet(small_trace, capsys, monkeypatch,
