@@ -110,6 +110,54 @@ def test_bad_request_gets_an_openai_error(http, path, body, status, param):
         assert error["param"].split(".")[0] == param, error
 
 
+# Lone UTF-16 surrogates: valid JSON escapes that decode to no Unicode text. Sent with
+# json.dumps (ASCII escapes), as httpx's own encoder cannot write them.
+LONE_SURROGATES = [
+    # (id, path, body, param)
+    ("prompt", COMPLETIONS, completion(prompt="a\ud800b"), "prompt"),
+    ("prompt-low-half", COMPLETIONS, completion(prompt="\udc00"), "prompt"),
+    ("prompt-in-batch", COMPLETIONS, completion(prompt=["fine", "x\ud83d"]), "prompt"),
+    ("message-content", CHAT, chat(messages=[{"role": "user", "content": "\ud800"}]),
+     "messages"),
+    ("content-part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]), "messages"),
+    ("system-message", CHAT, chat(messages=[{"role": "system", "content": "be \ud800"},
+                                            {"role": "user", "content": "hi"}]), "messages"),
+    ("stop", COMPLETIONS, completion(stop="\ud800"), "stop"),
+    ("stop-in-list", CHAT, chat(stop=["x", "\ud800"]), "stop"),
+    ("model", CHAT, chat(model="\ud800"), "model"),
+    ("cache-salt", COMPLETIONS, completion(cache_salt="s\ud800"), "cache_salt"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [case[1:] for case in LONE_SURROGATES],
+                         ids=[case[0] for case in LONE_SURROGATES])
+def test_lone_surrogate_is_400_naming_the_field(server, http, path, body, param):
+    num_log_lines = len(server.log)
+    response = http.post(path, content=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"].split(".")[0] == param, error
+    assert "lone UTF-16 surrogate" in error["message"], error
+    assert "Traceback" not in "".join(server.log[num_log_lines:])
+
+
+@pytest.mark.parametrize("text", ["pair \ud83d\ude00 here", "raw 🙂 emoji", "nul \u0000 in"],
+                         ids=["surrogate-pair", "emoji", "nul"])
+def test_valid_unicode_text_is_served(http, text):
+    # json.dumps writes the pair as two escapes, which the server decodes to one U+1F600.
+    bodies = [(COMPLETIONS, completion(prompt=[text, "plain"], stop=text, max_tokens=2)),
+              (CHAT, chat(messages=[{"role": "system", "content": text},
+                                    {"role": "user", "content": [{"type": "text", "text": text}]}],
+                          stop=[text], max_tokens=2))]
+    for path, body in bodies:
+        response = http.post(path, content=json.dumps(body),
+                             headers={"Content-Type": "application/json"})
+        assert response.status_code == 200, response.text
+
+
 def test_engine_errors_name_the_prompt_not_internal_request_ids(http):
     # One prompt: the message is the engine's, without the internal request id.
     response = http.post(COMPLETIONS, json=completion(prompt=[1, 10**6]))

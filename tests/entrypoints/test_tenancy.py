@@ -22,13 +22,14 @@ from tests.entrypoints.conftest import MODEL_NAME, ServerProcess, assert_clean_e
 
 
 @pytest.mark.parametrize("salt", ["a", "team-1", "é" * MAX_CACHE_SALT_CHARS, "with space",
-                                  "emoji 🙂"])
+                                  "emoji 🙂", "astral \U0001F600"])
 def test_valid_salts(salt):
     assert validate_cache_salt(salt) == salt
 
 
 @pytest.mark.parametrize("salt", ["", "x" * (MAX_CACHE_SALT_CHARS + 1), "a\nb", "\x00",
-                                  "tab\there", "del\x7f", "c1\x85", 5, None, ["a"]])
+                                  "tab\there", "del\x7f", "c1\x85", "lone \ud800",
+                                  "low \udc00", 5, None, ["a"]])
 def test_invalid_salts(salt):
     with pytest.raises(ValueError):
         validate_cache_salt(salt)

@@ -6,6 +6,10 @@ are ignored, as OpenAI-compatible servers do, so newer clients keep working; kno
 this server cannot honour (``logprobs``, ``echo``, ``tools``, ...) are refused with a 400
 when set to anything but their neutral value, rather than quietly ignored.
 
+Every text the server uses (prompts, message contents, stop strings, the model name, the
+cache salt) must be valid Unicode: a lone UTF-16 surrogate is a 400 naming the field (see
+``unicode_text``).
+
 Checks that need the model (prompt and ``max_tokens`` against the context and the KV pool)
 live in ``serving``; everything that needs only the body lives here.
 """
@@ -26,6 +30,7 @@ from pydantic import (
 )
 
 from prefixcache.entrypoints.openai.tenancy import validate_cache_salt
+from prefixcache.entrypoints.openai.unicode_text import check_unicode
 
 # Bounds that keep one request from asking for unbounded server work; a client needing
 # more samples or stop strings can send more requests.
@@ -73,6 +78,12 @@ class GenerationRequest(OpenAIModel):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, model: str | None) -> str | None:
+        # The name is echoed in a 404 when it is not served.
+        return None if model is None else check_unicode(model, "the model name")
+
     @field_validator("cache_salt")
     @classmethod
     def _check_cache_salt(cls, salt: str | None) -> str | None:
@@ -86,6 +97,9 @@ class GenerationRequest(OpenAIModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        for index, text in enumerate(stops):
+            check_unicode(text, "the stop string" if isinstance(stop, str)
+                          else f"stop string {index}")
         return stop
 
     @model_validator(mode="after")
@@ -128,6 +142,9 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("prompt must not be empty")
         if any(isinstance(p, list) and any(t < 0 for t in p) for p in prompts):
             raise ValueError("prompt token ids must be >= 0")
+        for index, text in enumerate(prompts):
+            if isinstance(text, str):
+                check_unicode(text, "the prompt" if text is prompt else f"prompt {index}")
         return prompt
 
     @model_validator(mode="after")
@@ -172,6 +189,18 @@ class ChatMessage(OpenAIModel):
                 if part_type != "text":
                     raise ValueError(f"only text content parts are supported, got "
                                      f"{part_type!r}")
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def _check_content_text(cls, content: str | list[TextContentPart] | None) -> Any:
+        # After type validation: checked in a part's own validator instead, the error
+        # would be reported under the union's first member ("should be a string").
+        if isinstance(content, str):
+            check_unicode(content, "the content")
+        elif content is not None:
+            for index, part in enumerate(content):
+                check_unicode(part.text, f"content part {index}")
         return content
 
     def text(self) -> str:

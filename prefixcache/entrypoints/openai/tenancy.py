@@ -24,6 +24,8 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixcache.entrypoints.openai.unicode_text import check_unicode
+
 MAX_CACHE_SALT_CHARS = 128
 
 
@@ -31,9 +33,10 @@ def validate_cache_salt(salt: object) -> str:
     """Return ``salt`` if it is a valid client cache salt, else raise ValueError.
 
     Valid: a non-empty ``str`` of at most ``MAX_CACHE_SALT_CHARS`` characters with no
-    control characters (Unicode category Cc: C0, DEL and C1). Control characters are
-    refused because salts end up in logs and in published KV events, where they could
-    forge or garble lines.
+    control characters (Unicode category Cc: C0, DEL and C1) and no lone surrogate.
+    Control characters are refused because salts end up in logs and in published KV
+    events, where they could forge or garble lines; a lone surrogate is not text at all
+    (see :mod:`~prefixcache.entrypoints.openai.unicode_text`).
     """
     if not isinstance(salt, str):
         raise ValueError("cache_salt must be a string")
@@ -45,7 +48,7 @@ def validate_cache_salt(salt: object) -> str:
         )
     if any(unicodedata.category(char) == "Cc" for char in salt):
         raise ValueError("cache_salt must not contain control characters")
-    return salt
+    return check_unicode(salt, "cache_salt")
 
 
 def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
