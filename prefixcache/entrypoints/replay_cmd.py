@@ -55,6 +55,18 @@ def _capacity_list(text: str) -> list[int]:
     return sorted(set(capacities))
 
 
+def _plot_path(text: str) -> str:
+    """A --plot path whose extension names a format matplotlib can write (checked when
+    the options are read, not after the sweep)."""
+    from prefixcache.sim.report import plot_format
+
+    try:
+        plot_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 ALL_ONLINE_POLICIES = "online"
 
 
@@ -115,8 +127,9 @@ def register(subparsers) -> None:
     parser.add_argument("--max-requests", type=positive_int, metavar="N",
                         help="replay only the first N requests")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
-    parser.add_argument("--plot", metavar="OUT.png",
-                        help="with --sweep: draw the hit-rate curves to a PNG")
+    parser.add_argument("--plot", type=_plot_path, metavar="OUT",
+                        help="with --sweep: draw the hit-rate curves to OUT; the format "
+                             "follows the extension (png, pdf, svg, ...; png without one)")
     parser.add_argument("--kv-bytes-per-token", type=positive_int,
                         default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
                         help="KV bytes per token, for GiB figures (default %(default)s: "

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from prefixcache.sim.replay import ReplayResult
 from prefixcache.sim.sweep import SweepResult
 
 GIB = 1 << 30
+DEFAULT_PLOT_FORMAT = "png"
+# Formats matplotlib lists but writes only through Pillow, when Pillow was built with them.
+_PILLOW_FORMATS = ("webp", "avif")
 
 
 def capacity_gib(num_blocks: int, block_size: int, kv_bytes_per_token: int) -> float:
@@ -92,9 +98,43 @@ def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) 
     return "\n".join(text)
 
 
+def plot_formats() -> list[str]:
+    """The file extensions :func:`plot_sweep` can write here: matplotlib's image formats,
+    less those whose helper is missing (pgf runs a TeX system; webp and avif need a Pillow
+    built with them), so a bad choice fails before a sweep rather than after it."""
+    import matplotlib
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = list(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:
+        formats.remove("pgf")
+    try:
+        from PIL import features
+    except ImportError:  # pragma: no cover - matplotlib requires Pillow
+        features = None
+    for name in _PILLOW_FORMATS:
+        if name in formats and (features is None or not features.check(name)):
+            formats.remove(name)
+    return sorted(formats)
+
+
+def plot_format(path: str) -> str:
+    """The format :func:`plot_sweep` writes ``path`` in: its extension's, PNG without one.
+    Raises ValueError, naming the formats there are, for an extension none of them has."""
+    extension = os.path.splitext(path)[1][1:].lower()
+    if not extension:
+        return DEFAULT_PLOT_FORMAT
+    formats = plot_formats()
+    if extension not in formats:
+        raise ValueError(f"cannot draw a plot as {extension!r} (the format follows the "
+                         f"extension): use one of {', '.join(formats)}")
+    return extension
+
+
 def plot_sweep(result: SweepResult, path: str, block_size: int, kv_bytes_per_token: int,
                title: str) -> None:
-    """Write the hit-rate curves as a PNG: capacity in blocks below, in GiB of KV above."""
+    """Draw the hit-rate curves to ``path`` in :func:`plot_format`'s format: capacity in
+    blocks below, in GiB of KV above."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -122,5 +162,7 @@ def plot_sweep(result: SweepResult, path: str, block_size: int, kv_bytes_per_tok
     top.set_xlabel(f"KV cache capacity (GiB at {kv_bytes_per_token:,} bytes/token)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    # The format is given, not left to matplotlib: without an extension it would write
+    # to path + ".png", a file nobody asked for.
+    fig.savefig(path, format=plot_format(path))
     plt.close(fig)

@@ -111,6 +111,24 @@ def test_a_capacity_far_beyond_the_trace_is_cheap_and_exact(small_trace, tmp_pat
         == payload["infinite_hit_rate"] == run["hit_rate"]
 
 
+def test_plot_format_follows_the_extension_and_is_png_without_one(small_trace, tmp_path,
+                                                                  monkeypatch):
+    from prefixcache.sim import report
+
+    no_extension = tmp_path / "curve"
+    assert main(["replay", str(small_trace), "--sweep", "100", "--block-size", "512",
+                 "--policy", "lru", "--no-belady", "--plot", str(no_extension),
+                 "--quiet"]) == 0
+    assert no_extension.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "curve.png").exists()
+    assert report.plot_format("a/b.PDF") == "pdf"
+    # pgf needs a TeX system to write: without one it is not offered.
+    monkeypatch.setattr(report.shutil, "which", lambda name: None)
+    assert "pgf" not in report.plot_formats() and "svg" in report.plot_formats()
+    with pytest.raises(ValueError, match="cannot draw a plot as 'pgf'"):
+        report.plot_format("curve.pgf")
+
+
 def test_timeline_mode(small_trace, capsys):
     assert main(["replay", str(small_trace), "--num-blocks", "3000", "--block-size", "512",
                  "--timeline", "--decode-tokens-per-s", "5", "--quiet"]) == 0
@@ -179,6 +197,7 @@ def test_clear_errors(tmp_path, capsys):
     (["--num-blocks", "8", "--plot", "x.png"], "--plot needs --sweep"),
     (["--num-blocks", "8", "--decode-tokens-per-s", "5"], "applies to --timeline only"),
     (["--sweep", "8", "--no-belady", "--policy", "belady"], "nothing to replay"),
+    (["--sweep", "8", "--plot", "curve.foo"], "cannot draw a plot as 'foo'"),
 ])
 def test_usage_errors(tmp_path, capsys, argv, message):
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
@@ -191,9 +210,10 @@ def test_usage_errors(tmp_path, capsys, argv, message):
 def test_help_explains_formats_and_modes(capsys):
     with pytest.raises(SystemExit):
         main(["replay", "--help"])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # help lines wrap anywhere
     for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
-                   "--kv-bytes-per-token", "--skip-bad-lines", "rejected", "standard input"):
+                   "--kv-bytes-per-token", "--skip-bad-lines", "rejected", "standard input",
+                   "the format follows the extension"):
         assert phrase in text
 
 
@@ -226,22 +246,30 @@ def test_outputs_that_would_overwrite_the_trace_or_each_other_are_refused(small_
     original = small_trace.read_bytes()
     link = tmp_path / "link.jsonl"
     link.symlink_to(small_trace)
-    out = tmp_path / "out.json"
+    png_named_trace = tmp_path / "trace.png"  # a plot path must have an image extension
+    png_named_trace.write_bytes(original)
+    out = tmp_path / "out.png"
     cases = [
-        (["--num-blocks", "8", "--json", str(small_trace)], "--json", "the trace"),
-        (["--num-blocks", "8", "--json", str(link)], "--json", "the trace"),
-        (["--sweep", "8", "--plot", str(tmp_path / ".." / tmp_path.name / small_trace.name)],
-         "--plot", "the trace"),
-        (["--sweep", "8", "--json", str(out), "--plot", str(out)], "--plot", "--json"),
+        (small_trace, ["--num-blocks", "8", "--json", str(small_trace)], "--json",
+         "the trace"),
+        (small_trace, ["--num-blocks", "8", "--json", str(link)], "--json", "the trace"),
+        (small_trace, ["--num-blocks", "8", "--json",
+                       str(tmp_path / ".." / tmp_path.name / small_trace.name)],
+         "--json", "the trace"),
+        (png_named_trace, ["--sweep", "8", "--plot", str(png_named_trace)], "--plot",
+         "the trace"),
+        (small_trace, ["--sweep", "8", "--json", str(out), "--plot", str(out)], "--plot",
+         "--json"),
     ]
-    for extra, name, victim in cases:
+    for trace, extra, name, victim in cases:
         with pytest.raises(SystemExit) as info:
-            main(["replay", str(small_trace), "--block-size", "512", "--quiet", *extra])
+            main(["replay", str(trace), "--block-size", "512", "--quiet", *extra])
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert f"error: {name} " in err and f"is the same file as {victim}" in err
         assert "Traceback" not in err
-    assert small_trace.read_bytes() == original and not out.exists()
+    assert small_trace.read_bytes() == png_named_trace.read_bytes() == original
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
