@@ -11,7 +11,9 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from prefixcache.entrypoints.arg_types import positive_float, positive_int
+from prefixcache.entrypoints.arg_types import non_negative_int, positive_float, positive_int
+
+MAX_SEQ = 2**63 - 1  # sequence numbers travel as signed 64-bit integers
 
 DESCRIPTION = """\
 Subscribe to a prefixcache (or vLLM) KV-cache event stream and print each batch.
@@ -32,6 +34,15 @@ examples:
 """
 
 
+def _sequence_number(text: str) -> int:
+    """A batch sequence number: 0 .. 2**63 - 1."""
+    value = non_negative_int(text)
+    if value > MAX_SEQ:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_SEQ} (a signed 64-bit sequence number), got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "events",
@@ -45,7 +56,7 @@ def register(subparsers) -> None:
                         help="only batches whose topic starts with this (default: all)")
     parser.add_argument("--replay-endpoint", default=None, metavar="E",
                         help="the engine's replay (ROUTER) endpoint, to fetch missed batches")
-    parser.add_argument("--from-seq", type=int, default=None, metavar="N",
+    parser.add_argument("--from-seq", type=_sequence_number, default=None, metavar="N",
                         help="first print buffered batches from sequence number N "
                              "(needs --replay-endpoint)")
     parser.add_argument("--json", action="store_true",
@@ -63,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of the subcommand; returns the process exit code."""
     if args.from_seq is not None and args.replay_endpoint is None:
         print("prefixcache events: --from-seq needs --replay-endpoint", file=sys.stderr)
-        return 2
-    if args.from_seq is not None and args.from_seq < 0:
-        print("prefixcache events: --from-seq must be >= 0", file=sys.stderr)
         return 2
 
     import zmq

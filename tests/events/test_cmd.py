@@ -130,6 +130,20 @@ def test_argument_errors(capsys):
         assert "cannot open the endpoint" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:5558",
+      "--from-seq", "99999999999999999999999"], "must be at most"),
+    (["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:5558",
+      "--from-seq", "-1"], "must be >= 0"),
+])
+def test_out_of_range_numbers_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["events", *argv, "--timeout", "0.2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_help_explains_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["events", "--help"])
