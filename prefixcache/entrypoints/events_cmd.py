@@ -7,6 +7,8 @@ Prints each batch as it arrives: readable text by default, one JSON object per b
 from __future__ import annotations
 
 import argparse
+import re
+import socket
 import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
@@ -14,6 +16,8 @@ from typing import Any, TextIO
 from prefixcache.entrypoints.arg_types import non_negative_int, positive_float, positive_int
 
 MAX_SEQ = 2**63 - 1  # sequence numbers travel as signed 64-bit integers
+MAX_TCP_PORT = 65535
+_DECIMAL = re.compile(r"[0-9]+")
 
 DESCRIPTION = """\
 Subscribe to a prefixcache (or vLLM) KV-cache event stream and print each batch.
@@ -43,6 +47,50 @@ def _sequence_number(text: str) -> int:
     return value
 
 
+def _endpoint(text: str) -> str:
+    """A ZMQ endpoint whose tcp port, if any, is a number 0..65535 or '*'.
+
+    libzmq accepts a larger port and retries the connection for ever, so it is checked
+    here; other malformed addresses libzmq itself rejects when the socket opens.
+    """
+    transport, sep, address = text.partition("://")
+    if sep and transport == "tcp":
+        _, colon, port_text = address.rpartition(":")
+        if colon and port_text != "*" and (_DECIMAL.fullmatch(port_text) is None
+                                           or int(port_text) > MAX_TCP_PORT):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: the port must be a number in 0..{MAX_TCP_PORT} or '*', "
+                f"got {port_text!r}")
+    return text
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    """The host a tcp ``endpoint`` connects to (libzmq's ``source;host:port`` form
+    included), or None: not tcp, or ``*``."""
+    transport, sep, address = endpoint.partition("://")
+    if not sep or transport != "tcp":
+        return None
+    host = address.rpartition(";")[2].rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return None if host in ("", "*") else host
+
+
+def _why_unreachable(endpoint: str) -> str | None:
+    """Why a connection to ``endpoint`` can never succeed, or None. libzmq resolves host
+    names in the background and retries a failed lookup for ever, so a mistyped host
+    would otherwise look like an engine that publishes nothing."""
+    host = _tcp_host(endpoint)
+    if host is None:
+        return None
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a host name"
+        return f"cannot resolve the host {host!r} of {endpoint}: {reason}"
+    return None
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "events",
@@ -51,10 +99,11 @@ def register(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("endpoint", help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    parser.add_argument("endpoint", type=_endpoint,
+                        help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
     parser.add_argument("--topic", default="",
                         help="only batches whose topic starts with this (default: all)")
-    parser.add_argument("--replay-endpoint", default=None, metavar="E",
+    parser.add_argument("--replay-endpoint", type=_endpoint, default=None, metavar="E",
                         help="the engine's replay (ROUTER) endpoint, to fetch missed batches")
     parser.add_argument("--from-seq", type=_sequence_number, default=None, metavar="N",
                         help="first print buffered batches from sequence number N "
@@ -75,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
     if args.from_seq is not None and args.replay_endpoint is None:
         print("prefixcache events: --from-seq needs --replay-endpoint", file=sys.stderr)
         return 2
+    for endpoint, connects in ((args.endpoint, not args.bind), (args.replay_endpoint, True)):
+        reason = _why_unreachable(endpoint) if endpoint is not None and connects else None
+        if reason is not None:
+            print(f"prefixcache events: {reason}", file=sys.stderr)
+            return 2
 
     import zmq
 

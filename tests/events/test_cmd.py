@@ -135,6 +135,9 @@ def test_argument_errors(capsys):
       "--from-seq", "99999999999999999999999"], "must be at most"),
     (["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:5558",
       "--from-seq", "-1"], "must be >= 0"),
+    (["tcp://127.0.0.1:99999"], "the port must be a number in 0..65535 or '*'"),
+    (["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://[::1]:65536"],
+     "the port must be a number"),
 ])
 def test_out_of_range_numbers_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -142,6 +145,18 @@ def test_out_of_range_numbers_are_usage_errors(capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_host_that_does_not_resolve_is_an_error_not_a_silent_wait(capsys):
+    for argv in (["tcp://nonexistent.invalid:5557"],
+                 ["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://nonexistent.invalid:1"]):
+        assert main(["events", *argv, "--timeout", "30"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot resolve the host 'nonexistent.invalid'" in err
+    # '*' and interface names are the business of --bind, which resolves nothing.
+    assert main(["events", "tcp://no-such-interface.invalid:5557", "--bind",
+                 "--timeout", "0.2"]) == 2
+    assert "cannot open the endpoint" in capsys.readouterr().err
 
 
 def test_help_explains_the_command(capsys):
