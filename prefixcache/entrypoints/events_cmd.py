@@ -113,7 +113,8 @@ def register(subparsers) -> None:
     parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="exit after printing N batches")
     parser.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
-                        help="exit with status 1 if no batch arrives for this long")
+                        help="exit with status 1 if no batch arrives for this long; "
+                             "also bounds the wait for a --from-seq replay (default 2 s)")
     parser.add_argument("--bind", action="store_true",
                         help="bind ENDPOINT instead of connecting (when the engine connects)")
     parser.set_defaults(func=run)
@@ -145,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.from_seq is not None:
             try:
-                replayed = subscriber.catch_up(args.from_seq)
+                # Without --timeout, the subscriber's own bound on a replay applies.
+                wait = {} if args.timeout is None else {"timeout_s": args.timeout}
+                replayed = subscriber.catch_up(args.from_seq, **wait)
             except TimeoutError as exc:
                 print(f"prefixcache events: {exc}", file=sys.stderr)
                 return 1

@@ -159,6 +159,22 @@ def test_a_host_that_does_not_resolve_is_an_error_not_a_silent_wait(capsys):
     assert "cannot open the endpoint" in capsys.readouterr().err
 
 
+def test_from_seq_waits_for_the_replay_as_long_as_timeout_says(capsys):
+    import zmq
+
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes the replay request, never answers
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        replay_endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert main(["events", "tcp://127.0.0.1:1", "--replay-endpoint", replay_endpoint,
+                     "--from-seq", "0", "--timeout", "0.3"]) == 1
+    finally:
+        silent.close(linger=0)
+        context.term()
+    assert "within 0.3s" in capsys.readouterr().err
+
+
 def test_help_explains_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["events", "--help"])
