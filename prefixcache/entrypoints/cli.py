@@ -4,6 +4,10 @@ Each module named in ``SUBCOMMAND_MODULES`` exposes ``register(subparsers)``, wh
 parser and sets ``func`` (called with the parsed namespace, returning an exit code).
 Modules keep heavy imports (torch, fastapi, ...) inside their ``func`` so that
 ``prefixcache --help`` stays instant.
+
+When the reader of stdout goes away (``prefixcache replay ... | head -3``), the command
+stops quietly with exit code 141 (128 + SIGPIPE), as a command killed by SIGPIPE would:
+no traceback, nothing on stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 SUBCOMMAND_MODULES = [
@@ -20,6 +25,9 @@ SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.openai.serve_cmd",
     "prefixcache.entrypoints.replay_cmd",
 ]
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports a Ctrl-C
+EXIT_BROKEN_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,10 +52,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        exit_code = int(args.func(args) or 0)
+        # Output still buffered meets a closed pipe here, where it is handled, rather
+        # than in the interpreter's final flush, which can only print a traceback.
+        sys.stdout.flush()
+        return exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _discard_stdout() -> None:
+    """Send stdout to the null device: whatever is still buffered for the closed pipe
+    would otherwise fail again, with a second error, when the interpreter flushes it on
+    exit. A stdout without a file descriptor (tests' capture) is left alone."""
+    try:
+        null_fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null_fd, sys.stdout.fileno())
+        finally:
+            os.close(null_fd)
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        pass
 
 
 if __name__ == "__main__":

@@ -175,6 +175,22 @@ def test_from_seq_waits_for_the_replay_as_long_as_timeout_says(capsys):
     assert "within 0.3s" in capsys.readouterr().err
 
 
+def test_a_reader_that_goes_away_stops_the_command_quietly(publisher_with_history):
+    """``events ... --json | head``: exit 141 (128 + SIGPIPE), nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "prefixcache", *_events_argv(publisher_with_history),
+             "--json"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141
+
+
 def test_help_explains_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["events", "--help"])

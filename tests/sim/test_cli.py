@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from prefixcache.entrypoints.cli import main
 from tests.sim.helpers import TRACE_PATH, write_lines
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -270,6 +275,23 @@ def test_outputs_that_would_overwrite_the_trace_or_each_other_are_refused(small_
         assert "Traceback" not in err
     assert small_trace.read_bytes() == png_named_trace.read_bytes() == original
     assert not out.exists()
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly(small_trace):
+    """``replay ... | head -3``: once the pipe is closed, exit 141 (128 + SIGPIPE) with
+    nothing on stderr — no BrokenPipeError, none again at interpreter exit."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "prefixcache", "replay", str(small_trace), "--sweep",
+             "100,200", "--block-size", "512", "--no-belady", "--quiet"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141
 
 
 @pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
