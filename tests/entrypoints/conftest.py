@@ -67,10 +67,11 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("server did not become ready:\n" + "".join(self.log))
 
-    def stop(self) -> int | None:
-        """Ctrl-C the server (bounded); returns its exit code (130 after a clean Ctrl-C)."""
+    def stop(self, signum: int = signal.SIGINT) -> int | None:
+        """Ctrl-C the server, or send it ``signum`` (bounded); returns its exit code (130
+        after a clean Ctrl-C, -15 when SIGTERM ended it, as a shell's 143)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(signum)
             try:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:

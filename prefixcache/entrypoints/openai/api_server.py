@@ -8,6 +8,10 @@ generation request: body size (413) -> API key (401) -> JSON and fields (400) ->
 keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait`` and
 ``abort_running`` (``true``/``false``) with AsyncLLM's meanings and answers
 ``{"success": bool}``.
+
+Once the engine has stopped (the server is shutting down, see ``uvicorn_server``, or the
+engine failed), whatever needs it answers 503 ``engine_unavailable``: a request in flight
+as soon as its stream learns it, a stream with an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import logging
 import time
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
+from prefixcache.engine.output_stream import EngineDeadError
 from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -46,8 +50,6 @@ from prefixcache.entrypoints.openai.serving import EventStream, ModelInfo, OpenA
 from prefixcache.entrypoints.openai.tenancy import Authenticator, AuthError, Principal
 
 logger = logging.getLogger(__name__)
-ready_logger = logging.getLogger("prefixcache.serve")
-uvicorn_logger = logging.getLogger("uvicorn.error")  # where uvicorn logs its own startup
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Status logged (never sent: nobody is listening) when a client left before its answer.
@@ -169,7 +171,7 @@ async def _unless_client_leaves(raw_request: Request, work: Any) -> Any:
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server is shutting down: take the work with us
+    except asyncio.CancelledError:  # uvicorn gave up waiting for us: take the work along
         task.cancel()
         raise
     finally:
@@ -226,6 +228,11 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
         return error_response(exc.status, exc.to_body())
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> Response:
+        # The engine stopped: the server is shutting down, or the engine failed (logged).
+        return error_response(503, error_body(503, str(exc), code="engine_unavailable"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -292,41 +299,3 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     return app
-
-
-class ReadyLoggingServer(uvicorn.Server):
-    """uvicorn's server, plus the one "ready" line, logged once the app serves and naming
-    the real port (so ``--port 0`` is usable: readers take the URL from it).
-
-    Works the same whether uvicorn binds ``config.host``/``config.port`` itself or is
-    handed listening sockets (``run(sockets=...)``, as ``prefixcache serve`` does); the
-    line always names the first socket actually serving."""
-
-    def __init__(self, config: uvicorn.Config, model_info: ModelInfo, llm: AsyncLLM) -> None:
-        super().__init__(config)
-        self._model_info = model_info
-        self._llm = llm
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        if not self.started:
-            return
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        if sockets is not None:
-            # uvicorn logs this itself only when it binds (with sockets it assumes a
-            # parent process already did); --uvicorn-log-level info still shows it.
-            uvicorn_host = self.config.host or "0.0.0.0"
-            shown = f"[{uvicorn_host}]" if ":" in uvicorn_host else uvicorn_host
-            uvicorn_logger.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
-                                "https" if self.config.ssl else "http", shown, port)
-        shown_host = f"[{host}]" if ":" in host else host
-        info = self._model_info
-        publisher = self._llm.event_publisher
-        endpoint = getattr(publisher, "endpoint", None)
-        replay_endpoint = getattr(publisher, "replay_endpoint", None)
-        events_note = f", KV events on {endpoint}" if endpoint else ""
-        if replay_endpoint:
-            events_note += f", replay on {replay_endpoint}"
-        ready_logger.info("ready: serving %s at http://%s:%d (%d KV blocks of %d tokens%s)",
-                          info.served_model_names[0], shown_host, port, info.num_kv_blocks,
-                          info.block_size, events_note)

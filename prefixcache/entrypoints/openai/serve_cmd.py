@@ -206,8 +206,9 @@ def _run_engine(args: argparse.Namespace, authenticator, sockets: list) -> int:
 def _serve(args: argparse.Namespace, llm, authenticator, sockets: list) -> int:
     import uvicorn
 
-    from prefixcache.entrypoints.openai.api_server import ReadyLoggingServer, build_app
+    from prefixcache.entrypoints.openai.api_server import build_app
     from prefixcache.entrypoints.openai.serving import ModelInfo
+    from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
     engine = llm.engine
     names = tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
@@ -219,6 +220,6 @@ def _serve(args: argparse.Namespace, llm, authenticator, sockets: list) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
                             access_log=args.uvicorn_log_level in ("debug", "info"))
-    server = ReadyLoggingServer(config, model_info, llm)
+    server = UvicornServer(config, model_info, llm)
     server.run(sockets=sockets)
     return 0 if server.started else 1

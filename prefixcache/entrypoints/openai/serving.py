@@ -306,13 +306,13 @@ class OpenAIServing:
             errors = [o.error or "generation failed" for o in run.final_outputs.values()
                       if o.finish_reason == "error"]
             if errors:
-                yield f"data: {error_json(error_body(500, errors[0]))}\n\n"
+                yield f"data: {error_json(error_body(500, errors[0], code='generation_error'))}\n\n"
             elif include_usage:
                 usage_chunk = self._usage_chunk(run)
                 yield f"data: {usage_chunk}\n\n"
             yield "data: [DONE]\n\n"
         except EngineDeadError as exc:
-            yield f"data: {error_json(error_body(503, str(exc)))}\n\n"
+            yield f"data: {error_json(error_body(503, str(exc), code='engine_unavailable'))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if len(run.final_outputs) < len(run.request_id_to_index):
