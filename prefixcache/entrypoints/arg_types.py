@@ -46,6 +46,42 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def int_in_range(low: int, high: int):
+    """A converter for an integer in ``low .. high`` (both included)."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
+        return value
+    return convert
+
+
+def utf8_text(text: str) -> str:
+    """Text that is valid UTF-8. Python hands undecodable argv bytes over as lone
+    surrogates (``surrogateescape``), which no tokenizer or JSON encoder accepts; the
+    message shows the offending bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {raw!r}") from None
+    return text
+
+
 def port(text: str) -> int:
     """A TCP port, 0 (pick a free one) to 65535."""
     try:

@@ -14,8 +14,11 @@ import copy
 import sys
 
 from prefixcache.config import DTYPES
+from prefixcache.entrypoints.arg_types import int_in_range, non_negative_float, utf8_text
 
 EXIT_USAGE = 2
+# The seeds torch's generators take, and the server's bounds for the same field.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 _DESCRIPTION = """\
 Generate text for one or more prompts and stream it to stdout.
@@ -35,6 +38,12 @@ examples:
 """
 
 
+def _model_path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("empty path (leave --model out for the default model)")
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
@@ -42,23 +51,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT",
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", type=utf8_text,
                         help="prompt text (with --chat: a user message); several run in turn")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message in the model's chat template")
-    parser.add_argument("--system", default=None,
+    parser.add_argument("--system", default=None, type=utf8_text,
                         help="with --chat: a system message to put first")
-    parser.add_argument("--model", default=None, metavar="PATH",
+    parser.add_argument("--model", default=None, metavar="PATH", type=_model_path,
                         help="a .gguf file or a Hugging Face model folder "
                              "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=128, metavar="N",
                         help="generate at most N tokens (default: 128)")
-    parser.add_argument("--temperature", type=float, default=0.0,
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="0 for greedy decoding (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens (default: 0)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--seed", type=int_in_range(MIN_SEED, MAX_SEED), default=None,
+                        help="seed for reproducible sampling (a signed 64-bit integer)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        type=utf8_text,
                         help="stop when TEXT is generated (repeatable); not printed")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token")

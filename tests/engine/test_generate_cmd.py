@@ -1,4 +1,8 @@
-"""``prefixcache generate``: what a user sees when the options or the output go wrong."""
+"""``prefixcache generate``: what a user sees when the options or the output go wrong.
+
+Bad option values are usage errors before the model loads (seconds for a real model), so
+those tests need none: ``no_model_load`` fails the test if the command tries to load one.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.entrypoints.cli import main
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# What Python makes of the argv bytes b"\xff\xfe bad utf8" (surrogateescape).
+INVALID_UTF8 = b"\xff\xfe bad utf8".decode("utf-8", "surrogateescape")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def load(*args, **kwargs):
+        pytest.fail("the model was loaded before the options were checked")
+    monkeypatch.setattr(LLMEngine, "from_options", load)
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([INVALID_UTF8], r"argument PROMPT: not valid UTF-8 text: b'\xff\xfe bad utf8'"),
+    (["hi", "--chat", "--system", INVALID_UTF8], "argument --system: not valid UTF-8"),
+    (["hi", "--stop", INVALID_UTF8], "argument --stop: not valid UTF-8"),
+    (["hi", "--seed", str(2**64)], "argument --seed: must be in"),
+    (["hi", "--seed", str(-(2**63) - 1)], "argument --seed: must be in"),
+    (["hi", "--temperature", "inf"], "argument --temperature: must be a finite number >= 0"),
+    (["hi", "--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
+    (["hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["hi", "--model", ""], "argument --model: empty path"),
+])
+def test_bad_values_are_usage_errors(no_model_load, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
+def test_the_whole_seed_range_samples(tiny_model_dir, capsys, seed):
+    assert main(["generate", "hello", "--model", str(tiny_model_dir), "--seed", str(seed),
+                 "--temperature", "1", "--max-tokens", "2", "--ignore-eos"]) == 0
+    assert "2 generated" in capsys.readouterr().err
 
 
 def test_a_reader_that_goes_away_stops_the_stream_quietly(tiny_model_dir):
