@@ -4,6 +4,7 @@ model load, and no error path leaves a socket open."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import time
@@ -12,12 +13,24 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from prefixcache.config import DEFAULT_EVICTION_POLICY
+from prefixcache.config import (
+    DEFAULT_DTYPE,
+    DEFAULT_EVICTION_POLICY,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.entrypoints.arg_types import byte_size
 from prefixcache.entrypoints.cli import build_parser, main
 from prefixcache.entrypoints.openai.listen import listen_sockets
-from prefixcache.entrypoints.openai.serve_cmd import engine_options, kv_events_options
+from prefixcache.entrypoints.openai.serve_cmd import (
+    engine_options,
+    kv_events_options,
+    size_text,
+)
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():
@@ -320,3 +333,45 @@ def test_bad_flag_values_are_usage_errors(flag):
     with pytest.raises(SystemExit) as excinfo:
         build_parser().parse_args(["serve", *flag])
     assert excinfo.value.code == 2
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    subparsers = next(action for action in build_parser()._actions
+                      if isinstance(action, argparse._SubParsersAction))
+    return subparsers.choices["serve"]
+
+
+# Flags whose absence is the setting itself: nothing to show as a default.
+NO_DEFAULT_DESTS = {"help", "api_key", "api_key_file", "kv_events_endpoint",
+                    "kv_events_replay_endpoint"}
+
+
+def test_every_serve_flag_says_what_it_does_and_its_default():
+    for action in serve_parser()._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and len(action.help) > 20, action.option_strings or action.dest
+        if action.dest not in NO_DEFAULT_DESTS:
+            assert "(default: " in action.help, action.option_strings or action.dest
+
+
+def test_serve_help_shows_the_engines_actual_defaults(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "--help"])
+    assert excinfo.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "the engine's" not in text
+    assert f"(default: {DEFAULT_KV_CACHE_MEMORY_BYTES // 1024**3}GiB)" in text
+    assert f"(default: {DEFAULT_MAX_NUM_SEQS})" in text
+    assert f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})" in text
+    for flag, default in (("--dtype", DEFAULT_DTYPE), ("--log-level", "info"),
+                          ("--prefix-caching-hash-algo", DEFAULT_HASH_ALGO)):
+        after_flag = text.split(f" {flag} ", 1)[1]
+        assert f"(default: {default})" in after_flag.split(" --", 1)[0], flag
+
+
+@pytest.mark.parametrize(("num_bytes", "text"), [(2 * 1024**3, "2GiB"), (16 * 1024**2, "16MiB"),
+                                                 (1536 * 1024**2, "1536MiB"), (1000, "1000")])
+def test_size_text_reads_back_as_the_same_size(num_bytes, text):
+    assert size_text(num_bytes) == text
+    assert byte_size(text) == num_bytes

@@ -16,7 +16,13 @@ import logging
 import sys
 
 from prefixcache.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DTYPE,
     DEFAULT_EVICTION_POLICY,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DTYPES,
     EVICTION_POLICIES,
     HASH_ALGOS,
@@ -29,6 +35,8 @@ logger = logging.getLogger("prefixcache.serve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
 BLOCK_HASH_FORMATS = ("int64", "bytes")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API with automatic prefix caching.
@@ -51,6 +59,15 @@ examples:
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
 """
 
+def size_text(num_bytes: int) -> str:
+    """``num_bytes`` as the largest binary unit that divides it (``2GiB``), as
+    ``--kv-cache-memory`` and ``--max-request-body-bytes`` take it."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -71,20 +88,29 @@ def register(subparsers) -> None:
     net.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="lines of 'key tenant': require a listed key and isolate each "
                           "tenant's prefix cache")
-    net.add_argument("--max-request-body-bytes", type=byte_size, default=16 * 1024 * 1024,
-                     metavar="SIZE", help="larger bodies get 413 (default: 16MiB)")
-    net.add_argument("--log-level", default="info",
-                     choices=("debug", "info", "warning", "error"))
-    net.add_argument("--uvicorn-log-level", default="warning",
-                     choices=("debug", "info", "warning", "error"),
-                     help="uvicorn's own logs, access log included at info")
+    net.add_argument("--max-request-body-bytes", type=byte_size,
+                     default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="SIZE",
+                     help="larger bodies get 413 "
+                          f"(default: {size_text(DEFAULT_MAX_REQUEST_BODY_BYTES)})")
+    net.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                     help="prefixcache's own logs: the ready line, engine failures "
+                          "(default: %(default)s)")
+    net.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
+                     help="uvicorn's own logs, access log included at info "
+                          "(default: %(default)s)")
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", default="float32", choices=DTYPES)
-    eng.add_argument("--block-size", type=positive_int, default=16,
+    eng.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
+                     help="dtype of the weights and the KV cache (default: %(default)s)")
+    eng.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                      help="tokens per KV block (default: %(default)s)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                     default=True, help="reuse cached KV blocks across requests")
-    eng.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS)
+                     default=True,
+                     help="reuse cached KV blocks across requests (default: enabled)")
+    eng.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO,
+                     choices=HASH_ALGOS,
+                     help="hash of the KV block keys (KV events publish them): the sha256 "
+                          "ones resist collisions, the xxhash ones are faster, the *_cbor "
+                          "ones equal vLLM's byte for byte (default: %(default)s)")
     eng.add_argument("--eviction-policy", default=DEFAULT_EVICTION_POLICY,
                      choices=list(EVICTION_POLICIES),
                      help="which free cached block is evicted first: lru (the design's "
@@ -92,24 +118,36 @@ def register(subparsers) -> None:
                           "content referenced twice), learned-reuse (learns which kinds of "
                           "requests leave reused content) (default: %(default)s)")
     eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                     type=positive_int, default=None,
-                     help="KV pool size in blocks (overrides --kv-cache-memory)")
+                     type=positive_int, default=None, metavar="N",
+                     help="KV pool size in blocks, overriding --kv-cache-memory "
+                          "(default: as many as --kv-cache-memory holds)")
     eng.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
                      type=byte_size, default=None, metavar="SIZE",
-                     help="memory for the KV pool, e.g. 2GiB (default: the engine's)")
-    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+                     help="memory for the KV pool, e.g. 512MiB; the pool never exceeds "
+                          "--max-num-seqs full-context sequences "
+                          f"(default: {size_text(DEFAULT_KV_CACHE_MEMORY_BYTES)})")
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
+                     help="most requests running at once; more wait in a queue "
+                          f"(default: {DEFAULT_MAX_NUM_SEQS})")
+    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                     help="most tokens one step computes, prompt chunks and decodes "
+                          f"together (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                     default=True)
+                     default=True,
+                     help="split prompts longer than a step's token budget over several "
+                          "steps; without it such a prompt is refused (default: enabled)")
     eng.add_argument("--seed", type=int, default=None,
-                     help="seed for requests that bring no seed of their own")
+                     help="seed for requests that bring no seed of their own "
+                          "(default: none, so those sample differently each time)")
     events = parser.add_argument_group("KV cache events (vLLM-compatible ZMQ)")
     events.add_argument("--kv-events-endpoint", default=None, metavar="E",
                         help="publish KV events on this PUB endpoint, "
                              "e.g. tcp://127.0.0.1:5557")
     events.add_argument("--kv-events-replay-endpoint", default=None, metavar="E",
                         help="answer replay requests on this ROUTER endpoint")
-    events.add_argument("--kv-events-topic", default="", help="topic frame of each message")
+    events.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                        help="first frame of every message, for subscribers to filter on "
+                             "(default: empty)")
     events.add_argument("--kv-events-block-hash-format", default="int64",
                         choices=BLOCK_HASH_FORMATS,
                         help="block hashes as vLLM's 64-bit integers (the digest's low 8 "
