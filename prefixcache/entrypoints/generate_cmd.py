@@ -4,7 +4,9 @@ The text is streamed to stdout as it is generated; a one-line summary per prompt
 cached tokens, time to first token) goes to stderr so that stdout stays just the text.
 Several prompts run one after another on one engine, so later prompts show the prefix
 cache at work. Bad options or a model that cannot be loaded give a one-line error and
-exit code 2.
+exit code 2; every option and prompt that can be checked without the model is checked
+before it loads. Errors about a prompt name it by its position on the command line
+(``prompt 2: ...``), never by the engine's internal request id.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prefixcache.entrypoints.arg_types import int_in_range, non_negative_float, 
 EXIT_USAGE = 2
 # The seeds torch's generators take, and the server's bounds for the same field.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+REQUEST_ID_PREFIX = "generate-"
 
 _DESCRIPTION = """\
 Generate text for one or more prompts and stream it to stdout.
@@ -56,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message in the model's chat template")
     parser.add_argument("--system", default=None, type=utf8_text,
-                        help="with --chat: a system message to put first")
+                        help="with --chat (required): a system message to put first")
     parser.add_argument("--model", default=None, metavar="PATH", type=_model_path,
                         help="a .gguf file or a Hugging Face model folder "
                              "(default: SmolLM2-135M-Instruct)")
@@ -80,24 +83,66 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _error(message: str) -> int:
+    print(f"prefixcache generate: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _about_prompt(position: int, num_prompts: int, message: str) -> str:
+    """``message`` about the prompt at 1-based ``position``, saying which one when there
+    are several; an engine message naming our internal request id is reworded."""
+    prefix = f"request '{REQUEST_ID_PREFIX}{position}': "
+    if message.startswith(prefix):
+        message = message[len(prefix):]
+    return message if num_prompts == 1 else f"prompt {position}: {message}"
+
+
+def _check_without_model(args: argparse.Namespace, params) -> str | None:
+    """What is wrong with the options or prompts, as far as can be told before the model
+    loads (which takes seconds), or None."""
+    if args.system is not None and not args.chat:
+        # Not implied: without --chat the prompt is raw text, and silently switching the
+        # mode would change what the model sees.
+        return "--system needs --chat (a system message is part of a chat template)"
+    if not args.chat:
+        for position, prompt in enumerate(args.prompts, start=1):
+            if not prompt:
+                return "the prompt is empty" if len(args.prompts) == 1 \
+                    else f"prompt {position} is empty"
+    try:
+        params.validate()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    # Heavy imports here, so `prefixcache --help` does not load torch.
-    from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
+    problem = _check_without_model(args, params)
+    if problem is not None:
+        return _error(problem)
+    # Heavy imports here, so `prefixcache --help` and option errors do not load torch.
+    from prefixcache.engine.llm_engine import LLMEngine
+
     try:
-        params.validate()
         engine = LLMEngine.from_options(args.model, dtype=args.dtype, max_num_seqs=1)
-        prompts_token_ids = [_encode(engine, args, prompt) for prompt in args.prompts]
     except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"prefixcache generate: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    for index, prompt_token_ids in enumerate(prompts_token_ids):
-        exit_code = _generate_one(engine, args, params, f"generate-{index}", prompt_token_ids)
+        return _error(str(error))
+    num_prompts = len(args.prompts)
+    prompts_token_ids = []
+    for position, prompt in enumerate(args.prompts, start=1):
+        try:
+            prompts_token_ids.append(_encode(engine, args, prompt))
+        except ValueError as error:
+            return _error(_about_prompt(position, num_prompts, str(error)))
+    for position, prompt_token_ids in enumerate(prompts_token_ids, start=1):
+        exit_code = _generate_one(engine, args, params, position, num_prompts,
+                                  prompt_token_ids)
         if exit_code:
             return exit_code
     return 0
@@ -120,16 +165,16 @@ def _encode(engine, args: argparse.Namespace, prompt: str) -> list[int]:
     return prompt_token_ids
 
 
-def _generate_one(engine, args: argparse.Namespace, params, request_id: str,
+def _generate_one(engine, args: argparse.Namespace, params, position: int, num_prompts: int,
                   prompt_token_ids: list[int]) -> int:
-    """Run one request to completion, printing its text and summary; the exit code."""
+    """Run the prompt at ``position`` to completion, printing its text and summary; the
+    exit code."""
     params = copy.copy(params)
     params.max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
     try:
-        engine.add_request(request_id, prompt_token_ids, params)
+        engine.add_request(f"{REQUEST_ID_PREFIX}{position}", prompt_token_ids, params)
     except ValueError as error:
-        print(f"prefixcache generate: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(_about_prompt(position, num_prompts, str(error)))
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -150,6 +195,7 @@ def _generate_one(engine, args: argparse.Namespace, params, request_id: str,
         file=sys.stderr,
     )
     if final.finish_reason == "error":
-        print(f"prefixcache generate: error: {final.error}", file=sys.stderr)
+        message = _about_prompt(position, num_prompts, str(final.error))
+        print(f"prefixcache generate: error: {message}", file=sys.stderr)
         return 1
     return 0

@@ -1,7 +1,8 @@
 """``prefixcache generate``: what a user sees when the options or the output go wrong.
 
-Bad option values are usage errors before the model loads (seconds for a real model), so
-those tests need none: ``no_model_load`` fails the test if the command tries to load one.
+Everything that can be checked without the model is checked before it loads (seconds for
+a real model), so most of these tests need none: ``no_model_load`` fails the test if the
+command tries to load one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.cli import main
+from prefixcache.entrypoints.generate_cmd import _about_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What Python makes of the argv bytes b"\xff\xfe bad utf8" (surrogateescape).
@@ -45,6 +47,40 @@ def test_bad_values_are_usage_errors(no_model_load, capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["first", "", "third"], "prompt 2 is empty"),
+    ([""], "the prompt is empty"),
+    (["hi", "--system", "Be brief."], "--system needs --chat"),
+    (["hi", "--top-p", "nan"], "top_p must be in (0, 1]"),
+    (["hi", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["hi", "--stop", ""], "stop must be a non-empty string"),
+])
+def test_bad_prompts_and_options_fail_before_the_model_loads(no_model_load, capsys, argv,
+                                                              message):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prefixcache generate: error: {message}")
+    assert err.count("\n") == 1  # one line
+
+
+def test_an_empty_chat_message_is_still_a_prompt(tiny_model_dir, capsys):
+    assert main(["generate", "", "--chat", "--model", str(tiny_model_dir),
+                 "--max-tokens", "2", "--ignore-eos"]) == 0
+    assert "2 generated" in capsys.readouterr().err
+
+
+def test_errors_about_a_prompt_name_its_position(tiny_model_dir, capsys):
+    too_long = "the quick brown fox " * 200  # far beyond the tiny model's 512 positions
+    assert main(["generate", "hello", too_long, "--model", str(tiny_model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prefixcache generate: error: prompt 2: the prompt (")
+    assert "generate-" not in err
+    # The engine's own messages name an internal request id; it is reworded the same way.
+    engine_message = "request 'generate-2': prompt token 999 is not a token id"
+    assert _about_prompt(2, 3, engine_message) == "prompt 2: prompt token 999 is not a token id"
+    assert _about_prompt(1, 1, "request 'generate-1': x") == "x"
 
 
 @pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
