@@ -42,3 +42,12 @@ def test_other_policies_report_what_they_evicted(capsys, policy):
                f"{', '.join(map(str, evicted))}" in lines[time6]
     else:
         assert lines[time6].endswith("evicting nothing cached")
+
+
+def test_help_names_the_design_document(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert '"Automatic Prefix Caching"' in text
+    assert "../shared/reference/automatic-prefix-caching.md" in text
