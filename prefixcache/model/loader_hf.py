@@ -6,7 +6,6 @@ Weights come from `model.safetensors`, or from the shards listed in
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from prefixcache.model.config import ModelArchConfig
+from prefixcache.model.json_file import read_json_object
 from prefixcache.model.llama import LlamaForCausalLM, load_hf_state_dict
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -27,8 +27,7 @@ def read_hf_arch_config(model_dir: str | Path) -> ModelArchConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"config.json not found in model folder {model_dir}")
-    with config_path.open(encoding="utf-8") as f:
-        return ModelArchConfig.from_hf_config(json.load(f))
+    return ModelArchConfig.from_hf_config(read_json_object(config_path))
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -36,8 +35,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index_path = model_dir / SAFETENSORS_INDEX
     if index_path.is_file():
-        with index_path.open(encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} has no 'weight_map' object")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(path.name) for path in files if not path.is_file()]
         if missing:

@@ -8,7 +8,6 @@ with special tokens and the chat template, or a `chat_template.jinja` file);
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from prefixcache.model.chat_template import render_chat_template
 from prefixcache.model.gguf_file import open_gguf, read_gguf_metadata
 from prefixcache.model.gguf_tokenizer import build_gguf_tokenizer
+from prefixcache.model.json_file import read_json_object
 
 
 class Tokenizer:
@@ -142,10 +142,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    # Optional files: absent is empty; present must be a JSON object.
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
 def _token_text(value: Any) -> str | None:

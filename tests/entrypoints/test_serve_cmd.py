@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import socket
 import time
 from urllib.parse import urlsplit
@@ -375,3 +376,44 @@ def test_serve_help_shows_the_engines_actual_defaults(capsys):
 def test_size_text_reads_back_as_the_same_size(num_bytes, text):
     assert size_text(num_bytes) == text
     assert byte_size(text) == num_bytes
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda tmp: tmp / "absent.txt",
+     "cannot read the API key file {path}: no such file or directory"),
+    (lambda tmp: tmp,
+     "cannot read the API key file {path}: is a directory"),
+    (lambda tmp: write(tmp / "keys.bin", b"k1 \xff\n"),
+     "the API key file {path} is not UTF-8 text (byte 3 cannot be decoded)"),
+    (lambda tmp: write(tmp / "keys.txt", b"# no keys yet\n"),
+     "the API key file {path} holds no API keys"),
+], ids=["missing", "folder", "not-utf8", "no-keys"])
+def test_unusable_api_key_file_is_named_with_the_reason_in_words(make, message, tmp_path,
+                                                                  monkeypatch, capsys):
+    forbid_engine(monkeypatch)
+    path = make(tmp_path)
+    assert main(["serve", "--api-key-file", str(path), "--port", "0"]) == 2
+    assert capsys.readouterr().err == f"prefixcache serve: {message.format(path=path)}\n"
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize(("file_name", "content", "problem"), [
+    ("config.json", b'{"model_type": "llama"\n"vocab_size": 8}',
+     "is not valid JSON: Expecting ',' delimiter: line 2 column 1 (char 23)"),
+    ("config.json", b"[1, 2]", "must hold a JSON object, not an array"),
+    ("config.json", b"null", "must hold a JSON object, not null"),
+    ("config.json", b"\xff{}", "is not UTF-8 text (byte 0 cannot be decoded)"),
+    ("tokenizer_config.json", b'"chat"', "must hold a JSON object, not a string"),
+], ids=["syntax", "array", "null", "not-utf8", "tokenizer-config-string"])
+def test_broken_json_in_the_model_folder_is_named(file_name, content, problem, tiny_model_dir,
+                                                  tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / file_name).write_bytes(content)
+    assert main(["serve", str(model_dir), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"prefixcache serve: cannot load {model_dir}: {model_dir / file_name} {problem}\n")

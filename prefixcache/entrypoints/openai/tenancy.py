@@ -24,6 +24,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixcache.entrypoints.openai.listen import os_error_reason
 from prefixcache.entrypoints.openai.unicode_text import check_unicode
 
 MAX_CACHE_SALT_CHARS = 128
@@ -150,12 +151,20 @@ def load_api_key_file(path: str | Path) -> dict[str, str]:
     """Parse an API key file into ``{key: tenant}``.
 
     Format: one ``key tenant`` pair per line, separated by whitespace; blank lines and
-    lines starting with ``#`` are ignored. Raises ValueError naming the line for a line
-    without exactly two fields, a repeated key, or a file with no keys at all (a server
-    that would refuse everyone is a configuration mistake, not a policy).
+    lines starting with ``#`` are ignored. Raises ValueError naming the file for a file
+    that cannot be read (missing, a folder, unreadable, not UTF-8) or has no keys at all (a
+    server that would refuse everyone is a configuration mistake, not a policy), and
+    naming the line for a line without exactly two fields or a repeated key.
     """
     key_to_tenant: dict[str, str] = {}
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {os_error_reason(exc)}") \
+            from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the API key file {path} is not UTF-8 text (byte {exc.start} "
+                         f"cannot be decoded)") from exc
     for line_number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
@@ -169,5 +178,5 @@ def load_api_key_file(path: str | Path) -> dict[str, str]:
             raise ValueError(f"{path}:{line_number}: duplicate API key")
         key_to_tenant[key] = tenant
     if not key_to_tenant:
-        raise ValueError(f"{path}: no API keys")
+        raise ValueError(f"the API key file {path} holds no API keys")
     return key_to_tenant
