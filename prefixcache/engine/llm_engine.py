@@ -166,8 +166,9 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
         )
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                                 or not -(2**63) <= seed < 2**63):
+            raise ValueError(f"seed must be a signed 64-bit integer or None, got {seed!r}")
         loaded = model if isinstance(model, LoadedModel) else _load(model_path, dtype)
         return cls(loaded, model_config, cache_config, scheduler_config,
                    seed=seed, hash_seed=hash_seed)

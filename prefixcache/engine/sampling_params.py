@@ -39,15 +39,19 @@ class SamplingParams:
         """Raise ValueError naming the first invalid option."""
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if (not _is_number(self.temperature) or self.temperature < 0.0
+                or self.temperature == float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, "
+                             f"got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1: no limit), "
                              f"got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not -(2**63) <= self.seed < 2**63):
+            # A torch generator's seed is a 64-bit integer; the server and CLI take signed.
+            raise ValueError(f"seed must be a signed 64-bit integer or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         stops = self.stop_strings

@@ -99,6 +99,8 @@ def test_constructor_takes_the_engine_options_by_name(tiny_model):
     ({"block_size": 0}, "block_size"),
     ({"hash_algo": "md5"}, "hash_algo"),
     ({"eviction_policy": "mru"}, "eviction_policy"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": "7"}, "seed"),
 ])
 def test_bad_options_are_value_errors_naming_the_option(tiny_model, options, match):
     with pytest.raises(ValueError, match=match):

@@ -83,7 +83,8 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("max_tokens", 0), ("seed", "x"), ("stop", [""]), ("stop", [1]), ("stop_token_ids", [-1]),
-    ("ignore_eos", "yes"), ("temperature", float("nan")),
+    ("ignore_eos", "yes"), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("seed", 2**63), ("seed", -(2**63) - 1),
 ])
 def test_invalid_params_are_clear_errors(field, value):
     params = SamplingParams(**{field: value})
@@ -94,4 +95,6 @@ def test_invalid_params_are_clear_errors(field, value):
 def test_valid_params_pass():
     SamplingParams(n=2, temperature=0, top_p=0.5, top_k=-1, seed=0, max_tokens=1,
                    stop="x", stop_token_ids=[0], ignore_eos=True).validate()
+    for seed in (2**63 - 1, -(2**63)):
+        SamplingParams(seed=seed).validate()
     assert SamplingParams(stop="ab").stop_strings == ("ab",)
