@@ -32,6 +32,7 @@ from prefixcache.entrypoints.openai.serve_cmd import (
     kv_events_options,
     size_text,
 )
+from tests.entrypoints.conftest import MODEL_NAME, ServerProcess, assert_clean_exit
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():
@@ -417,3 +418,31 @@ def test_broken_json_in_the_model_folder_is_named(file_name, content, problem, t
     assert main(["serve", str(model_dir), "--port", "0"]) == 2
     assert capsys.readouterr().err == (
         f"prefixcache serve: cannot load {model_dir}: {model_dir / file_name} {problem}\n")
+
+
+def test_a_repeated_served_model_name_is_listed_and_served_once(tiny_model_dir):
+    process = ServerProcess(tiny_model_dir, "--served-model-name", MODEL_NAME, "b", MODEL_NAME,
+                            "b", "c")
+    try:
+        with httpx.Client(base_url=process.url, timeout=60) as client:
+            response = client.get("/v1/models")
+            assert response.status_code == 200
+            assert [card["id"] for card in response.json()["data"]] == [MODEL_NAME, "b", "c"]
+            for name in (MODEL_NAME, "b", "c"):
+                response = client.post("/v1/completions",
+                                       json={"model": name, "prompt": [1, 2], "max_tokens": 1})
+                assert response.status_code == 200 and response.json()["model"] == name
+    finally:
+        assert_clean_exit(process)
+    log = "".join(process.log)
+    assert (f"--served-model-name: '{MODEL_NAME}', 'b' given more than once; serving each "
+            "once") in log
+
+
+@pytest.mark.parametrize("name", ["", "  "], ids=["empty", "blank"])
+def test_blank_served_model_name_is_a_usage_error(name, capsys):
+    with pytest.raises(SystemExit) as excinfo:  # parsing only: never serve if accepted
+        build_parser().parse_args(["serve", "--served-model-name", "ok", name])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --served-model-name: a model name must not be blank, got {name!r}" in err

@@ -80,9 +80,10 @@ def register(subparsers) -> None:
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     net.add_argument("--port", type=port, default=8000,
                      help="port to bind; 0 picks a free one (default: %(default)s)")
-    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="model name(s) clients use; the first is reported "
-                          "(default: the model argument)")
+    net.add_argument("--served-model-name", nargs="+", type=model_name, default=None,
+                     metavar="NAME",
+                     help="model name(s) clients use; the first is reported, a repeated "
+                          "one is served once (default: the model argument)")
     net.add_argument("--api-key", default=None,
                      help="require this key (Authorization: Bearer KEY); no tenants")
     net.add_argument("--api-key-file", default=None, metavar="FILE",
@@ -161,6 +162,31 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def model_name(text: str) -> str:
+    """A ``--served-model-name``: not empty nor blank (the usual result of an unset shell
+    variable), which no client would mean to send."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"a model name must not be blank, got {text!r}")
+    return text
+
+
+def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names the server answers to, first one first, each once.
+
+    A repeated ``--served-model-name`` is served once, with a warning, rather than
+    refused: ``a b a`` can only mean "serve a and b", so there is nothing to resolve, and
+    a deployment should not fail over it; the warning still shows a likely typo. Each
+    name must be listed once in ``/v1/models``, as OpenAI's list has unique ids.
+    """
+    given = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    names = tuple(dict.fromkeys(given))
+    if len(names) < len(given):
+        repeated = [name for name in names if given.count(name) > 1]
+        logger.warning("--served-model-name: %s given more than once; serving each once",
+                       ", ".join(repr(name) for name in repeated))
+    return names
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The ``LLMEngine.from_options`` keywords the flags set (unset ones left out, so the
     engine's defaults apply)."""
@@ -200,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prefixcache.entrypoints.openai.tenancy import Authenticator, load_api_key_file
 
+    names = served_model_names(args)
+
     try:
         key_to_tenant = None if args.api_key_file is None else load_api_key_file(
             args.api_key_file)
@@ -215,14 +243,15 @@ def run(args: argparse.Namespace) -> int:
               f"{os_error_reason(exc)}", file=sys.stderr)
         return 2
     try:
-        return _run_engine(args, authenticator, sockets)
+        return _run_engine(args, names, authenticator, sockets)
     finally:
         # uvicorn closes them on a clean shutdown; every other way out lands here.
         for sock in sockets:
             sock.close()
 
 
-def _run_engine(args: argparse.Namespace, authenticator, sockets: list) -> int:
+def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
+                sockets: list) -> int:
     import zmq
 
     from prefixcache.engine.async_llm import AsyncLLM
@@ -236,12 +265,13 @@ def _run_engine(args: argparse.Namespace, authenticator, sockets: list) -> int:
         print(f"prefixcache serve: cannot open a KV events endpoint: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, llm, authenticator, sockets)
+        return _serve(args, names, llm, authenticator, sockets)
     finally:
         llm.shutdown()
 
 
-def _serve(args: argparse.Namespace, llm, authenticator, sockets: list) -> int:
+def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
+           sockets: list) -> int:
     import uvicorn
 
     from prefixcache.entrypoints.openai.api_server import build_app
@@ -249,7 +279,6 @@ def _serve(args: argparse.Namespace, llm, authenticator, sockets: list) -> int:
     from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
     engine = llm.engine
-    names = tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
     model_info = ModelInfo(served_model_names=names, root=str(args.model or DEFAULT_MODEL_NAME),
                            max_model_len=engine.max_model_len,
                            num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
