@@ -7,18 +7,13 @@ command tries to load one.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.cli import main
 from prefixcache.entrypoints.generate_cmd import _about_prompt
+from tests.processes import run_with_reader_gone
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # What Python makes of the argv bytes b"\xff\xfe bad utf8" (surrogateescape).
 INVALID_UTF8 = b"\xff\xfe bad utf8".decode("utf-8", "surrogateescape")
 
@@ -92,15 +87,8 @@ def test_the_whole_seed_range_samples(tiny_model_dir, capsys, seed):
 
 def test_a_reader_that_goes_away_stops_the_stream_quietly(tiny_model_dir):
     """``generate ... | head -c 10``: exit 141 (128 + SIGPIPE), nothing on stderr."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "prefixcache", "generate", "hello", "--model",
-             str(tiny_model_dir), "--max-tokens", "8", "--ignore-eos"],
-            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
-            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
-    finally:
-        os.close(write_end)
+    result = run_with_reader_gone(
+        ["generate", "hello", "--model", str(tiny_model_dir), "--max-tokens", "8",
+         "--ignore-eos"], timeout=300)
     assert result.stderr == ""
     assert result.returncode == 141

@@ -33,6 +33,7 @@ from prefixcache.entrypoints.openai.serve_cmd import (
     size_text,
 )
 from tests.entrypoints.conftest import MODEL_NAME, ServerProcess, assert_clean_exit
+from tests.processes import free_loopback_ports
 
 
 def test_flags_map_to_engine_options_in_vllm_spelling():
@@ -215,19 +216,6 @@ def record_sockets(monkeypatch) -> list[socket.socket]:
 
     monkeypatch.setattr(socket, "socket", RecordingSocket)
     return created
-
-
-def free_loopback_ports(num_ports: int) -> list[int]:
-    """Distinct ports on 127.0.0.1 that the OS just handed out (as for ``tcp://...:*``)
-    and that are free again, for a test that must name a port by its number."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def forbid_engine(monkeypatch) -> None:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,8 @@ from prefixcache.core import kv_events as core
 from prefixcache.entrypoints.cli import main
 from prefixcache.events.convert import block_hash_to_int64
 from prefixcache.events.publisher import ZmqEventPublisher
+from tests.processes import REPO_ROOT, run_with_reader_gone
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DIGESTS = [bytes([i]) * 32 for i in range(4)]
 
 
@@ -177,16 +176,8 @@ def test_from_seq_waits_for_the_replay_as_long_as_timeout_says(capsys):
 
 def test_a_reader_that_goes_away_stops_the_command_quietly(publisher_with_history):
     """``events ... --json | head``: exit 141 (128 + SIGPIPE), nothing on stderr."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "prefixcache", *_events_argv(publisher_with_history),
-             "--json"],
-            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
-            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
-    finally:
-        os.close(write_end)
+    result = run_with_reader_gone([*_events_argv(publisher_with_history), "--json"],
+                                  timeout=60)
     assert result.stderr == ""
     assert result.returncode == 141
 

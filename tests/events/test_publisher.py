@@ -6,7 +6,6 @@ Every wait is a poll with a deadline of a few seconds; nothing asserts on elapse
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 import time
 
@@ -25,6 +24,7 @@ from prefixcache.events.publisher import (
 )
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import decode_batch, encode_batch
+from tests.processes import free_loopback_ports
 
 TCP_ANY_PORT = "tcp://127.0.0.1:*"
 DEADLINE_S = 5.0
@@ -70,19 +70,6 @@ def _wait_until_subscribed(publisher: ZmqEventPublisher, subscriber: EventSubscr
         if subscriber.recv_live(0.05) is not None:
             return num_probes
     pytest.fail("subscriber never received a probe")
-
-
-def _free_loopback_ports(num_ports: int) -> list[int]:
-    """Distinct ports on 127.0.0.1 that the OS just handed out (as for ``tcp://...:*``)
-    and that are free again, for a test that must bind a port by its number."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @pytest.fixture
@@ -351,7 +338,7 @@ def test_null_publisher_and_factory():
 
 def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
     rank = 2
-    live_port, replay_port = _free_loopback_ports(2)
+    live_port, replay_port = free_loopback_ports(2)
     # The flags all replicas share name ports two below the free ones; rank 2 lands on them.
     shared_endpoint = f"tcp://127.0.0.1:{live_port - rank}"
     shared_replay_endpoint = f"tcp://127.0.0.1:{replay_port - rank}"

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from prefixcache.entrypoints.cli import main
+from tests.processes import run_with_reader_gone
 from tests.sim.helpers import TRACE_PATH, write_lines
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -280,16 +276,9 @@ def test_outputs_that_would_overwrite_the_trace_or_each_other_are_refused(small_
 def test_a_reader_that_goes_away_stops_the_command_quietly(small_trace):
     """``replay ... | head -3``: once the pipe is closed, exit 141 (128 + SIGPIPE) with
     nothing on stderr — no BrokenPipeError, none again at interpreter exit."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader is gone before the first byte
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "prefixcache", "replay", str(small_trace), "--sweep",
-             "100,200", "--block-size", "512", "--no-belady", "--quiet"],
-            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
-            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
-    finally:
-        os.close(write_end)
+    result = run_with_reader_gone(
+        ["replay", str(small_trace), "--sweep", "100,200", "--block-size", "512",
+         "--no-belady", "--quiet"], timeout=120)
     assert result.stderr == ""
     assert result.returncode == 141
 
