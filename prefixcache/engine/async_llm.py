@@ -126,6 +126,10 @@ class AsyncLLM:
     def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
         self.engine = engine
         self.event_publisher = event_publisher
+        # Shutdown may close the publisher while a slow step is still running (its join
+        # timed out); the lock and flag keep that step from publishing into it.
+        self._publish_lock = threading.Lock()
+        self._publisher_closed = False
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._request_id_to_tracked: dict[str, _Tracked] = {}
         self._pending_reset: _PendingReset | None = None
@@ -241,12 +245,18 @@ class AsyncLLM:
         return await done
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the engine loop (live streams get EngineDeadError), close the publisher."""
+        """Stop the engine loop (live streams get EngineDeadError), close the publisher.
+
+        Waits up to ``timeout_s`` for the loop's current step. If it takes longer, the
+        publisher is closed anyway and that step's events are dropped; the loop stops
+        once the step ends."""
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout_s)
         if self.event_publisher is not None:
-            self.event_publisher.close()
+            with self._publish_lock:
+                self._publisher_closed = True
+                self.event_publisher.close()
 
     def _put_command(self, command: _Add | _Reset) -> None:
         self._commands.put(command)
@@ -383,7 +393,9 @@ class AsyncLLM:
             return
         events = self.engine.take_kv_events()
         if events:
-            self.event_publisher.publish(events)
+            with self._publish_lock:
+                if not self._publisher_closed:
+                    self.event_publisher.publish(events)
 
     def _fail_all(self, error: BaseException) -> None:
         for tracked in self._request_id_to_tracked.values():

@@ -193,6 +193,42 @@ def test_each_step_publishes_its_events(llm):
     assert llm.event_publisher.batches == [["step1"], ["step2"], ["step3"]]
 
 
+class ClosingPublisher(RecordingPublisher):
+    """Like the real publisher: publishing after close() is an error."""
+
+    def publish(self, events, ts=None) -> None:
+        if self.closed:
+            raise RuntimeError("publish() on a closed publisher")
+        super().publish(events, ts)
+
+
+def test_a_step_outlasting_the_shutdown_wait_does_not_publish_into_the_closed_publisher(
+        caplog):
+    engine = FakeEngine()
+    publisher = ClosingPublisher()
+    async_llm = AsyncLLM(engine, publisher)
+
+    async def start_a_request():
+        engine.step_gate = threading.Event()  # the next step blocks until released
+        task = asyncio.ensure_future(collect(async_llm, "slow", [1], 5))
+        await wait_until(lambda: engine.running)
+        return task
+
+    async def main():
+        task = await start_a_request()
+        await asyncio.sleep(0.1)  # the loop is now inside the gated step
+        async_llm.shutdown(timeout_s=0.05)  # gives up waiting: the step still runs
+        assert publisher.closed and async_llm._thread.is_alive()
+        engine.step_gate.set()
+        await wait_until(lambda: not async_llm._thread.is_alive())
+        with pytest.raises(EngineDeadError):
+            await task
+
+    run(main())
+    assert "engine loop failed" not in caplog.text
+    assert publisher.batches == []
+
+
 def test_stats_snapshot_follows_the_engine(llm):
     run(collect(llm, "s", [1], 4))
 
