@@ -250,17 +250,34 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock, removed_hashes: list[BlockHash] | None) -> None:
-        """Uncache ``block``; its hash joins ``removed_hashes`` (when given) if no other
-        block still holds it."""
+        """Uncache ``block``, taken for new content; its hash joins ``removed_hashes``
+        (when given) if no other block still holds it."""
+        self._drop_hash(block, removed_hashes)
+        self.num_evictions += 1
+
+    def _drop_hash(self, block: KVCacheBlock, removed_hashes: list[BlockHash] | None) -> None:
         block_hash = block.block_hash
         cache = self.cached_block_hash_to_block
         cache.pop(block_hash, block.block_id)
         block.block_hash = None
-        self.num_evictions += 1
         if self.block_contents is not None:
             self.block_contents[block.block_id] = None
         if removed_hashes is not None and block_hash not in cache:
             removed_hashes.append(block_hash)
+
+    def uncache_unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop the hashes of ``blocks`` (held by a request) whose KV was never written:
+        they were cached when scheduled, and the model step that was to fill them failed.
+        No lookup can hit them afterwards; hashes no other block holds go out as one
+        ``BlockRemoved``. Not evictions: ``num_evictions`` is unchanged."""
+        if not self.enable_caching:
+            return
+        removed_hashes: list[BlockHash] | None = [] if self.enable_events else None
+        for block in blocks:
+            if block.block_hash is not None:
+                self._drop_hash(block, removed_hashes)
+        if removed_hashes:
+            self._events.append(BlockRemoved(block_hashes=removed_hashes, medium=self.medium))
 
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int,

@@ -259,6 +259,22 @@ class KVCacheManager:
                 self.num_cached_blocks[request_id] = num_cached
         return new_blocks
 
+    def uncache_uncomputed(self, request: Request, num_computed_tokens: int) -> None:
+        """The request's KV was written only for its first ``num_computed_tokens`` tokens:
+        the model step scheduled to compute the rest failed. Its blocks past them were
+        cached as soon as they were scheduled full, so drop those hashes before anyone
+        hits them (a request sharing them in the same step failed with it). Call it
+        before :meth:`free`; a request holding no blocks is a no-op."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        # Blocks before this one were full, and so written, before the failed step.
+        first_unwritten = num_computed_tokens // self.block_size
+        self.block_pool.uncache_unwritten(blocks[first_unwritten:])
+        if self.num_cached_blocks.get(request_id, 0) > first_unwritten:
+            self.num_cached_blocks[request_id] = first_unwritten
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first. Freeing a request that holds no
         blocks (never allocated, or already freed) is a no-op, so abort paths may call it

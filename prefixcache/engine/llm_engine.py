@@ -291,6 +291,9 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - reported on every request of the step
             message = f"model execution failed: {type(error).__name__}: {error}"
             for scheduled in scheduler_output.scheduled:
+                # Blocks scheduled full this step were cached already: no KV behind them.
+                self.kv_cache_manager.uncache_uncomputed(scheduled.request,
+                                                         scheduled.start_position)
                 outputs.append(self._finish(scheduled.request.request_id,
                                             RequestStatus.FINISHED_ERROR, message))
             return

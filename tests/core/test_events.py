@@ -223,3 +223,39 @@ def test_router_index_built_from_events_matches_the_cache():
     assert mgr.reset_prefix_cache()
     replay()
     assert index == set()
+
+
+def test_uncaching_a_failed_steps_blocks_removes_only_those_past_what_was_written():
+    """A prefill chunk of 6 tokens after 6 computed ones fails: blocks 1 (half written
+    before) and 2 were cached when scheduled and are dropped; block 0, written before, is
+    kept; a later lookup hits block 0 only. Not counted as evictions."""
+    mgr = make_manager(num_blocks=10, block_size=4, enable_events=True)
+    r = Request("r", seq(0, 13))
+    schedule_prefill(mgr, r, num_tokens=6)
+    mgr.take_events()
+    assert mgr.allocate_slots(r, 6) is not None  # the failed step: tokens 6..11
+    r.num_computed_tokens += 6
+    assert mgr.take_events()[0].block_hashes == r.block_hashes[1:3]
+    mgr.uncache_uncomputed(r, 6)
+    assert mgr.take_events() == [BlockRemoved(block_hashes=r.block_hashes[1:3], medium="GPU")]
+    mgr.free(r)
+    blocks, num_hit_tokens = mgr.get_computed_blocks(Request("again", seq(0, 13)))
+    assert num_hit_tokens == 4
+    assert mgr.block_pool.num_evictions == 0
+    assert set(mgr.block_pool.cached_block_hash_to_block.keys()) == {r.block_hashes[0]}
+
+
+def test_uncaching_keeps_a_duplicate_that_was_written():
+    """The hash of a failed block is still held by an earlier, written copy: no event, and
+    the written copy stays findable."""
+    mgr = make_manager(num_blocks=10, block_size=4, enable_events=True)
+    first = Request("first", seq(0, 9))
+    schedule_prefill(mgr, first)
+    second = Request("second", seq(0, 9), skip_reading_prefix_cache=True)  # recomputes
+    schedule_prefill(mgr, second)
+    mgr.take_events()
+    mgr.uncache_uncomputed(second, 0)
+    assert mgr.take_events() == []
+    mgr.free(second)
+    mgr.free(first)
+    assert mgr.get_computed_blocks(Request("again", seq(0, 9)))[1] == 8
