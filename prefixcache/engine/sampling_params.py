@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Temperatures below this sample greedily (see SamplingParams).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -11,7 +14,9 @@ class SamplingParams:
 
     - ``n``: independent samples per prompt. The engine runs one sample per request; ``LLM``
       and the server expand ``n`` into ``n`` requests (with seeds ``seed``, ``seed + 1``, ...).
-    - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it.
+    - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it. Below
+      ``GREEDY_BELOW`` (1e-5) it is greedy too: dividing by a tinier one overflows float32
+      logits into NaN probabilities, and the distribution is argmax by then anyway.
     - ``top_k``: keep the ``k`` most likely tokens; 0 (or -1) keeps all.
     - ``top_p``: keep the smallest set of most likely tokens whose probability reaches it.
     - ``seed``: makes this request's samples reproducible whatever else is in the batch.
@@ -59,7 +64,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, "
                              f"got {self.stop!r}")
         if self.stop_token_ids is not None and (
-            isinstance(self.stop_token_ids, (str, bytes))
+            not isinstance(self.stop_token_ids, (list, tuple))
             or any(not _is_int(t) or t < 0 for t in self.stop_token_ids)
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, "
@@ -81,7 +86,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:

@@ -21,6 +21,15 @@ def test_greedy_is_argmax():
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-20, 1e-39, 5e-46])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    # Logits of a real model's size: dividing them by 1e-39 overflows float32.
+    logits = random_logits(4) * 12
+    params = [SamplingParams(temperature=temperature)] * 4
+    tokens = Sampler(seed=0).sample(logits, params, [None] * 4)
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_top_k_1_equals_greedy_at_any_temperature():
     logits = random_logits(6)
     params = [SamplingParams(temperature=t, top_k=1) for t in (0.1, 0.5, 1.0, 2.0, 5.0, 50.0)]
@@ -84,7 +93,7 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("max_tokens", 0), ("seed", "x"), ("stop", [""]), ("stop", [1]), ("stop_token_ids", [-1]),
     ("ignore_eos", "yes"), ("temperature", float("nan")), ("temperature", float("inf")),
-    ("seed", 2**63), ("seed", -(2**63) - 1),
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("stop_token_ids", 7), ("stop_token_ids", "7"),
 ])
 def test_invalid_params_are_clear_errors(field, value):
     params = SamplingParams(**{field: value})
