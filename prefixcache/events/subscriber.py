@@ -151,7 +151,12 @@ class EventSubscriber:
             seq = seq_from_bytes(frames[1])
             if seq == END_OF_REPLAY_SEQ:
                 break
-            batches.append(ReceivedBatch(seq, decode_batch(frames[2]), is_replay=True))
+            try:
+                batch = decode_batch(frames[2])
+            except Exception:  # counted and skipped, as on the live stream
+                self.num_malformed_messages += 1
+                continue
+            batches.append(ReceivedBatch(seq, batch, is_replay=True))
         return batches
 
     def _connect_replay(self) -> zmq.Socket:

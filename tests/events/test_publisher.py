@@ -206,6 +206,34 @@ def test_replay_from_a_dealer_ends_with_minus_one(publisher):
     assert [decode_batch(frames[2]).ts for frames in messages[:-1]] == [1.0, 2.0, 3.0]
 
 
+def test_a_malformed_replayed_batch_is_counted_and_skipped(publisher):
+    """A replay answer whose payload does not decode is dropped like a bad live message,
+    and the batches around it still arrive."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(TCP_ANY_PORT)
+    good = encode_batch(make_batch(_step_records(1), ts=1.0))
+
+    def answer_once():
+        client, _, _ = router.recv_multipart()
+        for seq, payload in ((0, b"\xc1 not msgpack"), (1, good)):
+            router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        router.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        with EventSubscriber(publisher.endpoint, replay_endpoint=endpoint) as sub:
+            batches = sub.replay(0, timeout_s=DEADLINE_S)
+            assert [b.seq for b in batches] == [1]
+            assert sub.num_malformed_messages == 1
+    finally:
+        server.join(DEADLINE_S)
+        router.close()
+
+
 def test_receive_fills_a_gap_from_replay(publisher):
     with EventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint) as sub:
         next_seq = _wait_until_subscribed(publisher, sub)
