@@ -25,8 +25,10 @@ class RequestOutput:
 
     ``text`` and ``token_ids`` are cumulative; ``new_text`` / ``new_token_ids`` are what
     was added since the previous output for this request (so a streaming client
-    concatenates deltas). ``text`` never ends in a broken UTF-8 character, and while a stop
-    string may still be forming, its first characters are held back until decided.
+    concatenates deltas). While running, ``text`` never ends in a broken UTF-8 character
+    (its bytes wait for the next token), and while a stop string may still be forming, its
+    first characters are held back until decided. At finish everything held back is
+    flushed, so bytes the model left incomplete appear as U+FFFD.
 
     ``finish_reason`` is None while running, then ``"stop"`` (EOS, a stop token id or a
     stop string), ``"length"`` (``max_tokens``, the model's context, or the KV pool),
