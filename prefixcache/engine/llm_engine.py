@@ -191,6 +191,10 @@ class LLMEngine:
         params, an empty prompt or a token id outside the vocabulary, a prompt plus
         ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool.
 
+        An id is in use from ``add_request`` until :meth:`step` has returned its final
+        output; for an aborted request that is the step after :meth:`abort_request`. So
+        one step's outputs never hold two requests under one id.
+
         A prompt that fits the pool is accepted even when prompt plus ``max_tokens`` does
         not: it may well stop at EOS first, and a small pool is the operator's choice,
         not the client's error. If its tokens do outgrow the pool, it ends with
@@ -200,6 +204,10 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Aborts are few and delivered by the next step, so this scan stays short.
+        if any(output.request_id == request_id for output in self._pending_outputs):
+            raise ValueError(f"request id {request_id!r} is still in use: it was aborted "
+                             "and step() has not yet returned its final output")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
@@ -236,7 +244,9 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests with ``"abort"`` and free their blocks; unknown or already
-        finished ids are ignored. Their final outputs come with the next :meth:`step`."""
+        finished ids are ignored. Their final outputs (cumulative text and tokens, nothing
+        held back) come with the next :meth:`step`, ahead of its other outputs; until then
+        :meth:`add_request` refuses their ids."""
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         for request_id in list(request_ids):

@@ -115,6 +115,23 @@ def test_abort_is_delivered_even_when_nothing_else_runs(engine, prompt):
     assert_all_blocks_free(engine)
 
 
+def test_an_aborted_id_is_refused_until_its_final_output_is_delivered(engine, prompt):
+    params = SamplingParams(temperature=0, max_tokens=5)
+    engine.add_request("r", prompt, params)
+    engine.step()
+    engine.abort_request("r")
+    # Accepting it now would put the old request's end and the new one's first token
+    # under one id in the same step.
+    with pytest.raises(ValueError, match="'r' is still in use: it was aborted"):
+        engine.add_request("r", prompt, params)
+    (aborted,) = engine.step()
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
+    engine.add_request("r", prompt, params)  # free once its end was delivered
+    final = run_to_completion(engine)["r"]
+    assert final.finish_reason == "length" and len(final.token_ids) == 5
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("eviction_policy", list(EVICTION_POLICIES))
 def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model, eviction_policy):
     engine = make_engine(block_size=4, num_kv_blocks=20, max_num_batched_tokens=8,
