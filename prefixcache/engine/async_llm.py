@@ -11,6 +11,7 @@ Loop iteration::
     take commands (block only when the engine is idle) -> apply them in arrival order
     -> engine.step() if there is work -> publish the step's KV events
     -> refresh the stats snapshot -> deliver outputs, grouped per stream
+    -> admit the adds held back, if nothing holds them any more
 
 Contracts:
 
@@ -21,10 +22,20 @@ Contracts:
 * ``add_requests`` returns only once the engine accepted every request, so a ValueError
   from the engine (a bad prompt, bad sampling params) reaches the caller before it commits
   to a response. A partial batch is never left running.
-* An aborted request's stream receives a final output with ``finish_reason="abort"``
-  synthesized here; whatever the engine later reports for that id is dropped.
+* An aborted request's stream ends with the engine's own final output for it, which the
+  engine's next step reports: ``finish_reason="abort"``, with the cumulative text and
+  tokens so far (text held back for a possible stop string included). Nothing else the
+  engine reports for that request reaches any stream.
+* Leaving a stream aborts only that stream's requests: a cancelled ``add_requests`` whose
+  ids clashed with another caller's live requests leaves those running.
+* An aborted id can be reused at once. The engine refuses it until its next step has
+  reported the aborted request's end, so an add that reuses it is held back for that one
+  step (as are the adds queued after it, to keep arrival order); old and new outputs
+  never meet in one stream.
 * If the engine raises, every live stream and every later call gets
-  :class:`EngineDeadError`; ``is_healthy`` turns False.
+  :class:`EngineDeadError`; ``is_healthy`` turns False. After ``shutdown()`` it is False
+  at once, later calls get EngineDeadError, and so does every add or reset still queued
+  or held back when the loop stops.
 """
 
 from __future__ import annotations
@@ -37,11 +48,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.engine.output_stream import EngineDeadError, OutputStream
-from prefixcache.engine.outputs import RequestMetrics, RequestOutput
+from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -53,6 +64,8 @@ logger = logging.getLogger(__name__)
 # How long an idle engine loop sleeps on the command queue before re-checking its state.
 # Commands wake it at once; this only bounds how stale an idle loop's view can get.
 _IDLE_WAIT_S = 0.5
+
+_SHUTDOWN_REASON = "the server is shutting down"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +93,8 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
+    # Abort only the ids that belong to this stream; None aborts whoever holds them.
+    stream: OutputStream | None
 
 
 @dataclass(slots=True)
@@ -97,20 +112,13 @@ class _Shutdown:
 
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-loop side: where the outputs of one live engine request go."""
+    """Engine-loop side: where the outputs of one engine request go, from its add until
+    the engine reports its final output. ``is_aborted``: aborted here, the engine's
+    final output (the next step's) is still to come and is the only one delivered."""
 
     stream: OutputStream
     loop: asyncio.AbstractEventLoop
-    prompt_token_ids: list[int]
-    arrival_time: float
-
-
-@dataclass(slots=True)
-class _PendingReset:
-    """A reset waiting for running requests to finish, and the adds held back until then."""
-
-    waiters: list[_Reset]
-    held_adds: list[_Add] = field(default_factory=list)
+    is_aborted: bool = False
 
 
 class AsyncLLM:
@@ -118,9 +126,10 @@ class AsyncLLM:
 
     ``engine`` must follow ``LLMEngine``'s contract (``add_request``, ``abort_request``,
     ``step``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``,
-    ``take_kv_events``). ``event_publisher`` receives each step's KV events (and the
-    AsyncLLM closes it on shutdown); None publishes nothing. The engine loop starts in the
-    constructor.
+    ``take_kv_events``); in particular the next step reports each aborted request's
+    final output, and ``add_request`` refuses its id until then. ``event_publisher``
+    receives each step's KV events (and the AsyncLLM closes it on shutdown); None
+    publishes nothing. The engine loop starts in the constructor.
     """
 
     def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
@@ -132,9 +141,18 @@ class AsyncLLM:
         self._publisher_closed = False
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._request_id_to_tracked: dict[str, _Tracked] = {}
-        self._pending_reset: _PendingReset | None = None
+        # Resets waiting for the running requests to finish (wait=True).
+        self._reset_waiters: list[_Reset] = []
+        # Adds not yet applied, in arrival order: behind a waiting reset, or reusing an
+        # id whose aborted request the engine has not yet reported finished.
+        self._held_adds: list[_Add] = []
         self._stats: EngineStats = copy.copy(engine.get_stats())
         self._dead_reason: str | None = None
+        # Set by shutdown() before it queues the stop, so no new work is accepted meanwhile.
+        self._is_shutting_down = False
+        # Set by the loop before its last drain of the queue; a command put after that
+        # must be answered by whoever put it.
+        self._has_stopped_taking_commands = False
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name="prefixcache-engine-loop",
                                         daemon=True)
@@ -185,7 +203,9 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead_reason is None and self._thread.is_alive()
+        """False once the engine failed or ``shutdown()`` was called."""
+        return (self._dead_reason is None and not self._is_shutting_down
+                and self._thread.is_alive())
 
     def get_stats(self) -> EngineStats:
         """The engine's stats as of the end of the engine loop's last iteration."""
@@ -199,14 +219,16 @@ class AsyncLLM:
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
-        stream = OutputStream(self.abort, [r.request_id for r in requests])
+        stream = OutputStream(lambda request_ids: self._abort_stream(stream, request_ids),
+                              [r.request_id for r in requests])
         done = loop.create_future()
         self._put_command(_Add(list(requests), stream, loop, done))
         try:
             await done
         except asyncio.CancelledError:
             # The add may still land after we stop waiting: abort it so it cannot leak.
-            self.abort(stream.request_ids)
+            # Scoped to this stream: ids refused as duplicates belong to someone else.
+            stream.abort()
             raise
         return stream
 
@@ -225,7 +247,12 @@ class AsyncLLM:
         """Abort requests (unknown or finished ids are ignored). Does not wait; never
         blocks, so it is safe from ``finally`` blocks and other threads."""
         if request_ids:
-            self._commands.put(_Abort(list(request_ids)))
+            self._commands.put(_Abort(list(request_ids), None))
+
+    def _abort_stream(self, stream: OutputStream, request_ids: Sequence[str]) -> None:
+        # The stream's abort callback: ids it shares with another stream are not its own.
+        if request_ids:
+            self._commands.put(_Abort(list(request_ids), stream))
 
     async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False) -> bool:
         """Drop every cached block that no request holds; True if the cache is now empty.
@@ -247,9 +274,13 @@ class AsyncLLM:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine loop (live streams get EngineDeadError), close the publisher.
 
+        From the call on, ``is_healthy`` is False and new calls raise EngineDeadError;
+        adds and resets already queued or held back get it too.
+
         Waits up to ``timeout_s`` for the loop's current step. If it takes longer, the
         publisher is closed anyway and that step's events are dropped; the loop stops
         once the step ends."""
+        self._is_shutting_down = True
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout_s)
@@ -260,13 +291,18 @@ class AsyncLLM:
 
     def _put_command(self, command: _Add | _Reset) -> None:
         self._commands.put(command)
-        if not self._thread.is_alive():
-            # The loop died between our check and the put; nobody else will answer.
-            self._drain_commands(EngineDeadError(self._dead_reason or "engine loop stopped"))
+        if self._has_stopped_taking_commands or not self._thread.is_alive():
+            # The loop stopped between our check and the put; nobody else will answer.
+            self._drain_commands(EngineDeadError(self._stopped_reason()))
 
     def _check_alive(self) -> None:
         if not self.is_healthy:
-            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+            raise EngineDeadError(self._stopped_reason())
+
+    def _stopped_reason(self) -> str:
+        if self._dead_reason is not None:
+            return self._dead_reason
+        return _SHUTDOWN_REASON if self._is_shutting_down else "the engine loop is not running"
 
     # ---- engine loop (the only thread that touches self.engine) ------------------------
 
@@ -274,7 +310,7 @@ class AsyncLLM:
         try:
             while True:
                 if not self._take_and_apply_commands():
-                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    self._fail_all(EngineDeadError(_SHUTDOWN_REASON))
                     return
                 outputs = []
                 if self.engine.has_unfinished_requests():
@@ -285,6 +321,8 @@ class AsyncLLM:
                 # Stats before delivery: a client that has its answer sees it counted.
                 self._stats = copy.copy(self.engine.get_stats())
                 self._deliver(outputs)
+                # After delivery: an id that finished in this step is free only now.
+                self._admit_held_adds()
         except BaseException as exc:  # the engine is in an unknown state: stop serving
             logger.exception("engine loop failed; the server stops serving requests")
             self._dead_reason = f"engine failed: {type(exc).__name__}: {exc}"
@@ -301,86 +339,106 @@ class AsyncLLM:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:
             pass
-        for command in commands:
+        for index, command in enumerate(commands):
             if isinstance(command, _Add):
-                if self._pending_reset is not None:
-                    self._pending_reset.held_adds.append(command)
-                else:
-                    self._apply_add(command)
+                self._admit(command)
             elif isinstance(command, _Abort):
-                self._apply_abort(command.request_ids)
+                self._apply_abort(command.request_ids, command.stream)
             elif isinstance(command, _Reset):
                 self._apply_reset(command)
             elif isinstance(command, _Shutdown):
+                # Already taken off the queue, so the final drain would never see them.
+                _refuse(commands[index + 1:], EngineDeadError(_SHUTDOWN_REASON))
                 return False
         return True
+
+    def _admit(self, command: _Add) -> None:
+        """Apply an add now, or hold it back (see ``_held_adds``) behind a waiting reset,
+        an earlier held add, or an aborted request of one of its ids that the engine has
+        not yet reported finished (the engine would refuse the id)."""
+        tracked = self._request_id_to_tracked
+        if (self._reset_waiters or self._held_adds
+                or any(request.request_id in tracked and tracked[request.request_id].is_aborted
+                       for request in command.requests)):
+            self._held_adds.append(command)
+        else:
+            self._apply_add(command)
+
+    def _admit_held_adds(self) -> None:
+        held, self._held_adds = self._held_adds, []
+        for command in held:  # in arrival order; what is still held stays in order
+            self._admit(command)
 
     def _apply_add(self, command: _Add) -> None:
         added: list[str] = []
         try:
             for request in command.requests:
-                arrival_time = request.arrival_time or time.time()
                 self.engine.add_request(request.request_id, request.prompt_token_ids,
                                         request.sampling_params, cache_salt=request.cache_salt,
-                                        arrival_time=arrival_time)
+                                        arrival_time=request.arrival_time or time.time())
                 added.append(request.request_id)
                 self._request_id_to_tracked[request.request_id] = _Tracked(
-                    command.stream, command.loop, request.prompt_token_ids, arrival_time)
+                    command.stream, command.loop)
         except (ValueError, TypeError) as exc:
-            if added:
-                self.engine.abort_request(added)
-                for request_id in added:
-                    del self._request_id_to_tracked[request_id]
+            # Their final outputs go to this stream, which nobody will read.
+            self._apply_abort(added, command.stream)
             _resolve(command.loop, command.done, exception=ValueError(str(exc)))
             return
         _resolve(command.loop, command.done, result=None)
 
-    def _apply_abort(self, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if rid in self._request_id_to_tracked]
-        if not live:
-            return
-        self.engine.abort_request(live)
-        now = time.time()
-        for request_id in live:
-            tracked = self._request_id_to_tracked.pop(request_id)
-            aborted = RequestOutput(
-                request_id=request_id, prompt_token_ids=tracked.prompt_token_ids,
-                finished=True, finish_reason="abort",
-                metrics=RequestMetrics(arrival_time=tracked.arrival_time, finished_time=now))
-            _call(tracked.loop, tracked.stream._put, [aborted])
+    def _apply_abort(self, request_ids: list[str], stream: OutputStream | None) -> None:
+        """Abort the live requests among ``request_ids`` (only ``stream``'s, unless None);
+        their streams get the engine's final outputs with the next step."""
+        request_id_to_tracked = self._request_id_to_tracked
+        live = []
+        for request_id in request_ids:
+            tracked = request_id_to_tracked.get(request_id)
+            if tracked is None or tracked.is_aborted:
+                continue
+            if stream is not None and tracked.stream is not stream:
+                continue
+            tracked.is_aborted = True
+            live.append(request_id)
+        if live:
+            self.engine.abort_request(live)
+        if stream is not None and self._held_adds:
+            # Only the cancelled add_requests call itself can abort a stream it has not
+            # yet returned: drop its add before it ever reaches the engine.
+            for add in self._held_adds:
+                if add.stream is stream:
+                    _call(add.loop, add.done.cancel)
+            self._held_adds = [add for add in self._held_adds if add.stream is not stream]
 
     def _apply_reset(self, command: _Reset) -> None:
         if command.abort_running:
-            self._apply_abort(list(self._request_id_to_tracked))
+            self._apply_abort(list(self._request_id_to_tracked), None)
         if command.wait and self.engine.has_unfinished_requests():
-            if self._pending_reset is None:
-                self._pending_reset = _PendingReset([command])
-            else:  # one reset serves everyone already waiting
-                self._pending_reset.waiters.append(command)
+            self._reset_waiters.append(command)  # one reset serves everyone waiting
             return
         success = bool(self.engine.reset_prefix_cache())
         _resolve(command.loop, command.done, result=success)
 
     def _maybe_finish_pending_reset(self) -> None:
-        pending = self._pending_reset
-        if pending is None or self.engine.has_unfinished_requests():
+        # The adds it held back are admitted after this step's outputs are delivered.
+        if not self._reset_waiters or self.engine.has_unfinished_requests():
             return
-        self._pending_reset = None
+        waiters, self._reset_waiters = self._reset_waiters, []
         success = bool(self.engine.reset_prefix_cache())
-        for waiter in pending.waiters:
+        for waiter in waiters:
             _resolve(waiter.loop, waiter.done, result=success)
-        for add in pending.held_adds:
-            self._apply_add(add)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One call_soon_threadsafe per stream per step, not per output: fewer wake-ups.
         stream_to_batch: dict[int, tuple[_Tracked, list[RequestOutput]]] = {}
+        request_id_to_tracked = self._request_id_to_tracked
         for output in outputs:
-            tracked = self._request_id_to_tracked.get(output.request_id)
-            if tracked is None:  # aborted here already; its stream has its final output
+            tracked = request_id_to_tracked.get(output.request_id)
+            if tracked is None:  # not an id this loop added; nobody to tell
                 continue
             if output.finished:
-                del self._request_id_to_tracked[output.request_id]
+                del request_id_to_tracked[output.request_id]
+            elif tracked.is_aborted:  # only the engine's final output ends an abort
+                continue
             key = id(tracked.stream)
             if key not in stream_to_batch:
                 stream_to_batch[key] = (tracked, [])
@@ -398,15 +456,13 @@ class AsyncLLM:
                     self.event_publisher.publish(events)
 
     def _fail_all(self, error: BaseException) -> None:
+        self._has_stopped_taking_commands = True  # before the drain below: see _put_command
         for tracked in self._request_id_to_tracked.values():
             _call(tracked.loop, tracked.stream._put, error)
         self._request_id_to_tracked.clear()
-        pending, self._pending_reset = self._pending_reset, None
-        if pending is not None:
-            for waiter in pending.waiters:
-                _resolve(waiter.loop, waiter.done, exception=error)
-            for add in pending.held_adds:
-                _resolve(add.loop, add.done, exception=error)
+        waiters, self._reset_waiters = self._reset_waiters, []
+        held, self._held_adds = self._held_adds, []
+        _refuse([*waiters, *held], error)
         self._drain_commands(error)
 
     def _drain_commands(self, error: BaseException) -> None:
@@ -416,8 +472,14 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, (_Add, _Reset)):
-                _resolve(command.loop, command.done, exception=error)
+            _refuse([command], error)
+
+
+def _refuse(commands: Sequence[Any], error: BaseException) -> None:
+    """Answer every add and reset among ``commands`` with ``error``; aborts need no answer."""
+    for command in commands:
+        if isinstance(command, (_Add, _Reset)):
+            _resolve(command.loop, command.done, exception=error)
 
 
 def _call(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:

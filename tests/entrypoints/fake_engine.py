@@ -1,6 +1,8 @@
 """A deterministic stand-in for LLMEngine, for testing AsyncLLM's loop without a model.
 
 Each request emits one token per step: ``prompt[-1] + 1, + 2, ...`` until ``max_tokens``.
+As in LLMEngine, an aborted request's final output (``"abort"``, with its text and tokens
+so far) comes first in the next step, and its id is refused until then.
 A running request holds one "block"; ``reset_prefix_cache`` fails while any is held. Every
 step appends one core-shaped event so publishing can be checked. ``step_gate`` (a
 threading.Event), when set by a test, pauses ``step`` until it is set, so a test can hold
@@ -25,6 +27,7 @@ STEP_S = 0.001
 class FakeEngine:
     def __init__(self) -> None:
         self.running: dict[str, dict] = {}
+        self.pending_outputs: list[RequestOutput] = []
         self.step_batches: list[list[str]] = []
         self.aborted: list[str] = []
         self.num_resets = 0
@@ -39,6 +42,8 @@ class FakeEngine:
             raise ValueError("empty prompt")
         if request_id in self.running:
             raise ValueError(f"duplicate request id {request_id}")
+        if any(output.request_id == request_id for output in self.pending_outputs):
+            raise ValueError(f"request id {request_id} was aborted, not yet reported")
         sampling_params.validate()
         self.running[request_id] = {
             "prompt": list(prompt_token_ids), "tokens": [], "params": sampling_params,
@@ -47,11 +52,17 @@ class FakeEngine:
 
     def abort_request(self, request_ids):
         for request_id in request_ids:
-            if self.running.pop(request_id, None) is not None:
+            state = self.running.pop(request_id, None)
+            if state is not None:
                 self.aborted.append(request_id)
+                self.pending_outputs.append(RequestOutput(
+                    request_id=request_id, prompt_token_ids=state["prompt"],
+                    text=" ".join(map(str, state["tokens"])),
+                    token_ids=list(state["tokens"]), finished=True, finish_reason="abort",
+                    metrics=RequestMetrics(arrival_time=state["arrival"])))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
+        return bool(self.running) or bool(self.pending_outputs)
 
     def step(self) -> list[RequestOutput]:
         if self.step_gate is not None:
@@ -60,7 +71,7 @@ class FakeEngine:
         if self.fail_next_step:
             raise RuntimeError("boom")
         self.step_batches.append(sorted(self.running))
-        outputs = []
+        outputs, self.pending_outputs = self.pending_outputs, []
         for request_id, state in list(self.running.items()):
             token = state["prompt"][-1] + len(state["tokens"]) + 1
             state["tokens"].append(token)

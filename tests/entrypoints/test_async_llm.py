@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from prefixcache.engine.async_llm import AsyncLLM, NewRequest
+from prefixcache.engine.async_llm import AsyncLLM, NewRequest, _Add, _Reset
 from prefixcache.engine.output_stream import EngineDeadError
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import FakeEngine, RecordingPublisher
@@ -172,6 +172,145 @@ def test_reset_wait_holds_new_requests_until_running_ones_finish(llm):
     assert first_outputs[-1].finish_reason == "length"
     assert later_outputs[-1].token_ids == [51, 52]
     assert not any("later" in batch and "first" in batch for batch in llm.engine.step_batches)
+
+
+def test_an_aborted_stream_ends_with_everything_generated_so_far(llm):
+    async def main():
+        stream = await llm.add_requests([NewRequest("r", [10], params(100_000))])
+        async with stream:
+            outputs = []
+            async for output in stream:
+                outputs.append(output)
+                if len(outputs) == 3:
+                    await llm.reset_prefix_cache(abort_running=True)
+        return outputs
+
+    outputs = run(main())
+    final = outputs[-1]
+    assert final.finish_reason == "abort"
+    # Cumulative, as RequestOutput promises: the server reads text and token_ids of the
+    # final output alone for a non-streaming response and its usage.
+    assert final.token_ids == outputs[-2].token_ids and len(final.token_ids) >= 3
+    assert final.text == outputs[-2].text
+    assert [o.finish_reason for o in outputs[:-1]] == [None] * (len(outputs) - 1)
+
+
+def block_next_step(llm: AsyncLLM) -> threading.Event:
+    """Hold the engine loop in its next step until the returned event is set, so the
+    commands queued meanwhile are taken together."""
+    llm.engine.step_gate = threading.Event()
+    return llm.engine.step_gate
+
+
+def test_an_aborted_id_can_be_reused_at_once(llm):
+    async def main():
+        first = await llm.add_requests([NewRequest("a", [1], params(100_000))])
+        await wait_until(lambda: llm.num_steps > 0)
+        gate = block_next_step(llm)
+        await asyncio.sleep(0.05)  # the loop is now inside the held step
+        await first.aclose()
+        # The abort and the re-add reach the loop together, before the engine reported
+        # the aborted request's end.
+        second = asyncio.ensure_future(collect(llm, "a", [50], 3))
+        await asyncio.sleep(0.05)
+        gate.set()
+        outputs = await second
+        await wait_until(lambda: not llm.engine.has_unfinished_requests())
+        return outputs
+
+    outputs = run(main())
+    assert [o.new_token_ids for o in outputs] == [[51], [52], [53]]
+    assert outputs[-1].finish_reason == "length"
+    assert llm.engine.aborted == ["a"] and not llm.engine.running
+    assert llm._request_id_to_tracked == {}
+
+
+def test_a_cancelled_add_does_not_abort_another_streams_request(llm):
+    async def main():
+        owner = await llm.add_requests([NewRequest("a", [1], params(100_000))])
+        await wait_until(lambda: llm.num_steps > 0)
+        gate = block_next_step(llm)
+        await asyncio.sleep(0.05)
+        # Another caller reuses the live id and gives up before the loop answers: its
+        # add fails as a duplicate, and its clean-up abort must not touch "a".
+        clash = asyncio.ensure_future(llm.add_requests([NewRequest("a", [7], params(5))]))
+        await asyncio.sleep(0.05)
+        clash.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await clash
+        gate.set()
+        num_steps = llm.num_steps
+        await wait_until(lambda: llm.num_steps >= num_steps + 3)
+        assert llm.engine.aborted == [] and "a" in llm.engine.running
+        outputs = []
+        async with owner:
+            async for output in owner:
+                outputs.append(output)
+                if len(output.token_ids) >= 5:
+                    break
+        await wait_until(lambda: not llm.engine.has_unfinished_requests())
+        return outputs
+
+    outputs = run(main())
+    assert not any(o.finished for o in outputs)
+    assert llm.engine.aborted == ["a"]  # by its owner leaving, not before
+
+
+def test_a_cancelled_add_held_back_behind_an_abort_never_runs(llm):
+    async def main():
+        first = await llm.add_requests([NewRequest("a", [1], params(100_000))])
+        await wait_until(lambda: llm.num_steps > 0)
+        gate = block_next_step(llm)
+        await asyncio.sleep(0.05)
+        await first.aclose()
+        # Held back until the abort is reported, then cancelled before it is applied.
+        held = asyncio.ensure_future(llm.add_requests([NewRequest("a", [7], params(100_000))]))
+        await asyncio.sleep(0.05)
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        gate.set()
+        num_steps = llm.num_steps
+        await wait_until(lambda: llm.num_steps >= num_steps + 1)
+        await asyncio.sleep(0.1)  # time for a wrongly admitted add to start running
+
+    run(main())
+    assert not llm.engine.running and llm.engine.aborted == ["a"]
+    assert llm._held_adds == [] and llm._request_id_to_tracked == {}
+
+
+def test_shutdown_refuses_new_work_at_once_and_answers_what_is_queued_behind_it():
+    engine = FakeEngine()
+    async_llm = AsyncLLM(engine)
+
+    async def main():
+        stream = await async_llm.add_requests([NewRequest("a", [1], params(100_000))])
+        await wait_until(lambda: async_llm.num_steps > 0)
+        gate = block_next_step(async_llm)
+        await asyncio.sleep(0.05)  # the loop is now inside the held step
+        async_llm.shutdown(timeout_s=0.01)  # gives up waiting; the loop still runs
+        assert async_llm._thread.is_alive() and not async_llm.is_healthy
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await async_llm.add_requests([NewRequest("b", [1], params(1))])
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await async_llm.reset_prefix_cache()
+        # Calls that passed their check just before shutdown() queued their commands
+        # behind the stop; the loop takes them in the same batch as the stop.
+        loop = asyncio.get_running_loop()
+        add = _Add([NewRequest("c", [1], params(1))], stream, loop, loop.create_future())
+        reset = _Reset(False, False, loop, loop.create_future())
+        async_llm._commands.put(add)
+        async_llm._commands.put(reset)
+        gate.set()
+        for future in (add.done, reset.done):
+            with pytest.raises(EngineDeadError, match="shutting down"):
+                await future
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    run(main())
+    async_llm.shutdown()
 
 
 def test_engine_failure_fails_streams_and_later_calls(llm):
