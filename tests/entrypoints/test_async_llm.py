@@ -195,6 +195,16 @@ def test_an_aborted_stream_ends_with_everything_generated_so_far(llm):
     assert [o.finish_reason for o in outputs[:-1]] == [None] * (len(outputs) - 1)
 
 
+async def add_and_give_up(llm: AsyncLLM, request: NewRequest) -> None:
+    """Call ``add_requests`` and cancel it while the (blocked) engine loop has not yet
+    answered, as a client that disconnects at once."""
+    pending = asyncio.ensure_future(llm.add_requests([request]))
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+
+
 def block_next_step(llm: AsyncLLM) -> threading.Event:
     """Hold the engine loop in its next step until the returned event is set, so the
     commands queued meanwhile are taken together."""
@@ -233,11 +243,7 @@ def test_a_cancelled_add_does_not_abort_another_streams_request(llm):
         await asyncio.sleep(0.05)
         # Another caller reuses the live id and gives up before the loop answers: its
         # add fails as a duplicate, and its clean-up abort must not touch "a".
-        clash = asyncio.ensure_future(llm.add_requests([NewRequest("a", [7], params(5))]))
-        await asyncio.sleep(0.05)
-        clash.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await clash
+        await add_and_give_up(llm, NewRequest("a", [7], params(5)))
         gate.set()
         num_steps = llm.num_steps
         await wait_until(lambda: llm.num_steps >= num_steps + 3)
@@ -264,11 +270,7 @@ def test_a_cancelled_add_held_back_behind_an_abort_never_runs(llm):
         await asyncio.sleep(0.05)
         await first.aclose()
         # Held back until the abort is reported, then cancelled before it is applied.
-        held = asyncio.ensure_future(llm.add_requests([NewRequest("a", [7], params(100_000))]))
-        await asyncio.sleep(0.05)
-        held.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await held
+        await add_and_give_up(llm, NewRequest("a", [7], params(100_000)))
         gate.set()
         num_steps = llm.num_steps
         await wait_until(lambda: llm.num_steps >= num_steps + 1)
