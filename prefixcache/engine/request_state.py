@@ -113,10 +113,15 @@ class RequestState:
         self.finish_reason = status.value
         self.error = error
         self.metrics.finished_time = time.time()
-        if self.detokenizer is not None and not self.matched_stop_string:
-            self._flush_text()
+        flushed_a_stop_string = (self.detokenizer is not None
+                                 and not self.matched_stop_string and self._flush_text())
+        if flushed_a_stop_string and status is RequestStatus.FINISHED_LENGTH:
+            # Generation did end on that stop string, with its last token.
+            self.finish_reason = RequestStatus.FINISHED_STOPPED.value
 
-    def _flush_text(self) -> None:
+    def _flush_text(self) -> bool:
+        """Append the text the detokenizer still holds back; True if it completed a stop
+        string (the text is then cut before it, as for any stop string)."""
         # The detokenizer holds back a trailing incomplete character; at the end, whatever
         # the tokens decode to is the answer (incomplete bytes become U+FFFD, as in HF).
         token_ids = self.request.output_token_ids
@@ -124,8 +129,11 @@ class RequestState:
                           or token_ids[-1] in self.stop_token_ids):
             token_ids = token_ids[:-1]
         full_text = self.detokenizer.tokenizer.decode(token_ids)
-        if len(full_text) > len(self.output_text) and full_text.startswith(self.output_text):
-            self.output_text = full_text
+        old_len = len(self.output_text)
+        if len(full_text) <= old_len or not full_text.startswith(self.output_text):
+            return False
+        self.output_text = full_text
+        return bool(self.stop_strings) and self._truncate_at_stop_string(old_len)
 
     def make_output(self) -> RequestOutput:
         """The output for this step: cumulative fields plus the delta since the last one."""

@@ -9,7 +9,8 @@ from prefixcache.core.request import Request, RequestStatus
 from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampling_params import SamplingParams
 
-TEXT = "Caf\u00e9 \U0001F642 na\u00efve \u4e2d\u6587 done"
+# The parrot and the last CJK character each span several tokens.
+TEXT = "Caf\u00e9 \U0001F642 na\u00efve \u4e2d\u6587 \U0001F99C\u9f98 done"
 
 
 def feed(tokenizer, token_ids, params, eos_token_ids=()):
@@ -35,7 +36,8 @@ def tokenizer(smollm2):
 
 def test_multibyte_characters_are_never_split(tokenizer):
     token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    assert len(token_ids) > len(TEXT.split())  # some characters span several tokens
+    assert any(tokenizer.decode(token_ids[:n]).endswith("\ufffd")
+               for n in range(len(token_ids)))  # some characters span several tokens
     outputs, status = feed(tokenizer, token_ids, SamplingParams(max_tokens=len(token_ids)))
     assert status == RequestStatus.FINISHED_LENGTH
     assert all("\ufffd" not in output.new_text for output in outputs)
@@ -59,3 +61,18 @@ def test_eos_ends_the_request_without_being_rendered(tokenizer):
     ignored, status = feed(tokenizer, token_ids, SamplingParams(max_tokens=100,
                                                                  ignore_eos=True), (eos,))
     assert status is None and len(ignored) == len(token_ids)
+
+
+def test_stop_string_completed_by_the_text_flushed_at_finish_is_trimmed(tokenizer):
+    # The last token leaves the emoji incomplete: its bytes are held back while running
+    # and flushed as U+FFFD at finish, where a stop string can still complete.
+    token_ids = tokenizer.encode("Hi \U0001F99C", add_special_tokens=False)  # parrot
+    cut = next(n for n in range(1, len(token_ids))
+               if tokenizer.decode(token_ids[:n]).endswith("\ufffd"))
+    token_ids = token_ids[:cut]
+    outputs, status = feed(tokenizer, token_ids, SamplingParams(max_tokens=cut))
+    assert status == RequestStatus.FINISHED_LENGTH
+    assert outputs[-1].text.endswith("\ufffd") and outputs[-1].finish_reason == "length"
+    outputs, _ = feed(tokenizer, token_ids, SamplingParams(max_tokens=cut, stop=["\ufffd"]))
+    assert outputs[-1].text == "Hi " and outputs[-1].finish_reason == "stop"
+    assert "".join(output.new_text for output in outputs) == "Hi "
