@@ -112,7 +112,7 @@ class LLMEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str = DEFAULT_DTYPE,
+        dtype: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
@@ -126,7 +126,9 @@ class LLMEngine:
 
         ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
         Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
-        by engines compared side by side; its weights are then used in their own dtype).
+        by engines compared side by side). ``dtype`` (weights and KV cache) defaults to
+        float32, or to the weights' own dtype for a loaded model; a loaded model whose
+        weights are in another dtype than the one asked for is refused.
         ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
         prefix-cache block hashes. ``eviction_policy`` (one of
         :data:`~prefixcache.core.EVICTION_POLICIES`, default ``lru``) decides which free
@@ -151,7 +153,9 @@ class LLMEngine:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
-        model_config = ModelConfig(model=model_path, dtype=dtype)
+        model_config = ModelConfig(model=model_path, dtype=dtype or DEFAULT_DTYPE)
+        if isinstance(model, LoadedModel):
+            model_config = ModelConfig(dtype=_dtype_of_loaded_model(model, dtype))
         cache_config = CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
@@ -169,7 +173,8 @@ class LLMEngine:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                                  or not -(2**63) <= seed < 2**63):
             raise ValueError(f"seed must be a signed 64-bit integer or None, got {seed!r}")
-        loaded = model if isinstance(model, LoadedModel) else _load(model_path, dtype)
+        loaded = (model if isinstance(model, LoadedModel)
+                  else _load(model_path, model_config.dtype))
         return cls(loaded, model_config, cache_config, scheduler_config,
                    seed=seed, hash_seed=hash_seed)
 
@@ -357,6 +362,20 @@ class LLMEngine:
         if not self.cache_config.enable_kv_events:
             return []
         return self.kv_cache_manager.take_events()
+
+
+def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:
+    """The dtype name of ``loaded``'s weights, which its KV cache must share; ValueError if
+    ``requested`` names another or the weights are in a dtype the engine does not run."""
+    weights_dtype = next(loaded.model.parameters()).dtype
+    name = next((n for n, d in TORCH_DTYPES.items() if d == weights_dtype), None)
+    if name is None:
+        raise ValueError(f"the loaded model's weights are {weights_dtype}; the engine runs "
+                         f"{' or '.join(TORCH_DTYPES)}")
+    if requested is not None and requested != name:
+        raise ValueError(f"dtype {requested!r} does not match the loaded model's {name} "
+                         "weights; load the model in that dtype or leave dtype unset")
+    return name
 
 
 def _load(model_path: str | None, dtype: str) -> LoadedModel:

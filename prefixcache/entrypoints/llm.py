@@ -11,7 +11,6 @@ from typing import Any
 
 from prefixcache.config import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_DTYPE,
     DEFAULT_EVICTION_POLICY,
     DEFAULT_HASH_ALGO,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -53,7 +52,7 @@ class LLM:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str = DEFAULT_DTYPE,
+        dtype: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         hash_algo: str = DEFAULT_HASH_ALGO,

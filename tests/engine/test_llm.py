@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from prefixcache import LLM, RequestOutput, SamplingParams
 from prefixcache.config import CacheConfig
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
+from prefixcache.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -220,3 +222,16 @@ def test_generate_command_bad_model_has_no_traceback(tmp_path):
     )
     assert result.returncode == 2
     assert "nope.gguf" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_loaded_model_sets_the_kv_dtype_and_a_mismatch_is_refused(tiny_model_dir):
+    bf16 = load_model(tiny_model_dir, torch.bfloat16)
+    engine = LLM(bf16, num_kv_blocks=16).engine
+    assert engine.model_config.dtype == "bfloat16"
+    assert engine.runner.kv_caches[0].key_cache.dtype == torch.bfloat16
+    assert LLM(bf16, num_kv_blocks=16, dtype="bfloat16").engine.model_config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="'float32' does not match the loaded model's bfloat16"):
+        LLM(bf16, num_kv_blocks=16, dtype="float32")
+    output = LLM(bf16, num_kv_blocks=16).generate(
+        "hello", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 3
