@@ -40,13 +40,18 @@ class PrefixCacheStats:
 
     An admission is a request's first allocation (:meth:`KVCacheManager.allocate_slots`
     on a request holding no blocks) — not each lookup, since a scheduler looks a request
-    that does not fit yet up again at every step. A preempted request, freed and admitted
-    again, is counted again: its hits then spare a recomputation too.
+    that does not fit yet up again at every step. A preempted request (``num_preemptions``
+    above zero), freed and admitted again, is counted in ``preempted_requests``,
+    ``preempted_queries`` and ``preempted_hits`` instead, as in vLLM: its hits spare a
+    recomputation, not a first computation, and would otherwise inflate the hit rate.
     """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -240,9 +245,14 @@ class KVCacheManager:
             self.num_cached_blocks[request_id] = 0
             if caching and not request.skip_reading_prefix_cache:
                 stats = self.prefix_cache_stats
-                stats.requests += 1
-                stats.queries += request.num_tokens
-                stats.hits += num_new_computed_tokens
+                if request.num_preemptions:
+                    stats.preempted_requests += 1
+                    stats.preempted_queries += request.num_tokens
+                    stats.preempted_hits += num_new_computed_tokens
+                else:
+                    stats.requests += 1
+                    stats.queries += request.num_tokens
+                    stats.hits += num_new_computed_tokens
         if num_hit_blocks:
             pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)

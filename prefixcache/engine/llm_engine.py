@@ -345,9 +345,13 @@ class LLMEngine:
         cache_stats = self.kv_cache_manager.make_prefix_cache_stats()  # resets on read
         stats.prefix_cache_queries += cache_stats.queries
         stats.prefix_cache_hits += cache_stats.hits
+        stats.prefix_cache_preempted_queries += cache_stats.preempted_queries
+        stats.prefix_cache_preempted_hits += cache_stats.preempted_hits
         return EngineStats(
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
+            prefix_cache_preempted_queries=stats.prefix_cache_preempted_queries,
+            prefix_cache_preempted_hits=stats.prefix_cache_preempted_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=self.kv_cache_manager.block_pool.num_evictions,
             prompt_tokens=stats.prompt_tokens,

@@ -10,8 +10,10 @@ class EngineStats:
     """A snapshot of the engine.
 
     Cumulative since the engine started: ``prefix_cache_queries`` (prompt tokens looked up
-    in the prefix cache, once per admission — a preempted request is looked up again when
-    it is readmitted), ``prefix_cache_hits`` (of those, tokens served from the cache),
+    in the prefix cache, once per request, at its admission), ``prefix_cache_hits`` (of
+    those, tokens served from the cache), ``prefix_cache_preempted_queries`` and
+    ``prefix_cache_preempted_hits`` (the same for preempted requests readmitted: tokens to
+    recompute, and of those, tokens still cached),
     ``num_preemptions``, ``num_evictions`` (cached blocks reused for other content),
     ``prompt_tokens`` (prompt tokens of requests admitted at least once) and
     ``generation_tokens`` (tokens sampled).
@@ -22,6 +24,8 @@ class EngineStats:
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
     num_preemptions: int = 0
     num_evictions: int = 0
     prompt_tokens: int = 0

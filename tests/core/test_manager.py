@@ -488,12 +488,15 @@ def test_prefix_cache_stats_count_a_request_once_when_it_is_admitted():
     assert schedule_decode(mgr, b, []) == []  # the rest of the prompt: no new lookup
     stats = mgr.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (1, 14, 12)
-    # Readmitted after preemption, it is looked up and counted again.
+    # Readmitted after preemption, it is looked up again and counted apart.
     mgr.free(b)
     b.num_computed_tokens = 0
+    b.num_preemptions = 1  # as the scheduler does
     assert schedule_prefill(mgr, b) == (12, [3])
     stats = mgr.make_prefix_cache_stats()
-    assert (stats.requests, stats.queries, stats.hits) == (1, 14, 12)
+    assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) \
+        == (1, 14, 12)
 
 
 def test_prefix_cache_stats_leave_out_requests_that_do_not_read_the_cache():

@@ -298,7 +298,16 @@ def test_without_chunked_prefill_a_preempted_request_resumes_past_the_budget(
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params[request_id])
     finals = run_to_completion(engine, max_steps=100)
-    assert engine.get_stats().num_preemptions > 0
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0
+    # Each prompt is counted once as a query; readmissions (prompt plus what b had
+    # generated) are counted apart, and every block of b was gone by then.
+    if enable_prefix_caching:
+        assert stats.prefix_cache_queries == 7 + 6
+        assert stats.prefix_cache_preempted_queries > 6 * stats.num_preemptions
+        assert stats.prefix_cache_preempted_hits == 0
+    else:
+        assert stats.prefix_cache_queries == stats.prefix_cache_preempted_queries == 0
     assert {rid: output.token_ids for rid, output in finals.items()} == expected
     assert all(output.finish_reason == "length" for output in finals.values())
     assert_all_blocks_free(engine)

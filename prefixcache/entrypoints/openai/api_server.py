@@ -200,6 +200,8 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
         return {
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_preempted_queries": stats.prefix_cache_preempted_queries,
+            "prefix_cache_preempted_hits": stats.prefix_cache_preempted_hits,
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
             "num_preemptions": stats.num_preemptions,

@@ -11,6 +11,8 @@ metric                                          type       meaning
 ==============================================  =========  ================================
 prefixcache:prefix_cache_queries_total          counter    prompt tokens looked up
 prefixcache:prefix_cache_hits_total             counter    of those, served from the cache
+prefixcache:prefix_cache_preempted_queries_total  counter  the same, for preempted requests
+prefixcache:prefix_cache_preempted_hits_total   counter    readmitted (not in the above)
 prefixcache:prompt_tokens_total                 counter    prompt tokens admitted
 prefixcache:generation_tokens_total             counter    tokens generated
 prefixcache:num_preemptions_total               counter    requests preempted
@@ -63,6 +65,10 @@ class _EngineCollector(Collector):
         for name, documentation in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+            ("prefix_cache_preempted_queries",
+             "Tokens of readmitted preempted requests looked up in the prefix cache."),
+            ("prefix_cache_preempted_hits",
+             "Tokens of readmitted preempted requests served from the prefix cache."),
             ("prompt_tokens", "Prompt tokens of admitted requests."),
             ("generation_tokens", "Generated tokens."),
             ("num_preemptions", "Requests preempted (blocks freed, to be recomputed)."),
