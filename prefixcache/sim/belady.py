@@ -38,11 +38,11 @@ tests and reported by every sweep.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_right
 
-from prefixcache.core import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.core import BlockHash, KVCacheBlock
 from prefixcache.core.block_pool import BlockHashToBlockMap
+from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
 
 NEVER = 1 << 60  # next use of a hash that is never usefully accessed again
 EMPTY = 1 << 61  # priority of a block holding no cached content: always reused first
@@ -102,14 +102,14 @@ def _first_after(indices: list[int] | None, now: int) -> int:
     return indices[k] if k < len(indices) else NEVER
 
 
-class BeladyFreeBlockQueue(FreeKVCacheBlockQueue):
+class BeladyFreeBlockQueue(ScoredFreeBlockQueue):
     """The free queue ordered by Belady's rule (module docstring), given the future.
 
     The replay sets :attr:`now` to the admission index of the request being allocated.
-    A lazy max-heap replaces the linked list: removal marks an entry stale, and an entry
-    whose key has expired — its next use has passed without hitting it, or the request
-    that recomputes it has been admitted — is re-keyed when it reaches the top, unless
-    its hash is then held by another block too, which makes it worthless: it goes first.
+    A block's key is (-next use, -depth): furthest next use, then deepest, goes first. A
+    key expires when its next use passes without hitting the block, or when the request
+    that recomputes it is admitted; the block is then re-keyed when it surfaces, unless
+    its hash is held by another block too, which makes it worthless: it goes first.
     ``cached`` is the pool's hash map, to see such duplicates (without it, every block is
     taken to be its hash's only holder). Same contract as every free queue: holds exactly
     the ref-0 blocks.
@@ -122,15 +122,10 @@ class BeladyFreeBlockQueue(FreeKVCacheBlockQueue):
         self.future = future
         self.cached = cached
         self.now = -1
-        # (-next use, -depth, push order, version, key expiry, block)
-        self._heap: list[tuple[int, int, int, int, int, KVCacheBlock]] = []
-        self._versions: dict[int, int] = {}
-        self._seq = 0
+        self._key_expiry: dict[int, int] = {}  # block id -> when its key stops being true
         super().__init__(blocks)
 
-    # -- the heap -------------------------------------------------------------------------
-
-    def _push(self, block: KVCacheBlock) -> None:
+    def key_for(self, block: KVCacheBlock) -> tuple[int, int]:
         block_hash = block.block_hash
         if block_hash is None:
             next_use, depth, expiry = EMPTY, 0, NEVER
@@ -145,77 +140,20 @@ class BeladyFreeBlockQueue(FreeKVCacheBlockQueue):
             else:
                 expiry = next_use
             depth = future.depth(block_hash)
-        version = self._versions.get(block.block_id, 0) + 1
-        self._versions[block.block_id] = version
-        self._seq += 1
-        # Min-heap on (-next use, -depth): furthest next use, then deepest, comes out first.
-        heapq.heappush(self._heap, (-next_use, -depth, self._seq, version, expiry, block))
-        self.num_free_blocks += 1
+        self._key_expiry[block.block_id] = expiry
+        return -next_use, -depth
 
-    def _pop_best(self) -> KVCacheBlock:
-        heap = self._heap
-        versions = self._versions
-        while heap:
-            _, _, _, version, expiry, block = heapq.heappop(heap)
-            if versions.get(block.block_id) != version:
-                continue  # removed (touched) or pushed again since
-            if expiry <= self.now and not self._is_duplicated(block.block_hash):
-                # Its access has come and gone without hitting it, or its recomputation
-                # has been admitted: re-key to what comes next.
-                versions[block.block_id] = version + 1
-                self.num_free_blocks -= 1
-                self._push(block)
-                continue
-            versions[block.block_id] = version + 1
-            self.num_free_blocks -= 1
-            return block
-        raise ValueError("No free blocks available")
+    def _take_or_rekey(self, block: KVCacheBlock) -> bool:
+        if (self._key_expiry[block.block_id] <= self.now
+                and not self._is_duplicated(block.block_hash)):
+            # Its access has come and gone without hitting it, or its recomputation has
+            # been admitted: re-key to what comes next.
+            self.append(block)
+            return False
+        return True
 
     def _is_duplicated(self, block_hash: BlockHash | None) -> bool:
         """Whether another block holds ``block_hash`` too (False for no hash)."""
         cached = self.cached
         return (block_hash is not None and cached is not None
                 and len(cached.get_all_blocks(block_hash)) > 1)
-
-    # -- the free-queue contract -----------------------------------------------------------
-
-    def popleft(self) -> KVCacheBlock:
-        if self.num_free_blocks == 0:
-            raise ValueError("No free blocks available")
-        return self._pop_best()
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n < 0:
-            raise ValueError(f"cannot take a negative number of blocks ({n})")
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
-        return [self._pop_best() for _ in range(n)]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        versions = self._versions
-        version = versions.get(block.block_id)
-        if version is None or version % 2 == 0:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
-        versions[block.block_id] = version + 1
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        self._push(block)
-
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            self._push(block)
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        self.append_n(blocks)  # the order is the heap's, whatever the caller asks
-
-    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
-        self.append_n(blocks)
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Every free block in current eviction order (ignoring re-keying). O(n log n)."""
-        versions = self._versions
-        live = [entry for entry in self._heap if versions.get(entry[5].block_id) == entry[3]]
-        return [entry[5] for entry in sorted(live, key=lambda entry: entry[:3])]
