@@ -10,8 +10,8 @@ whose last reference was just dropped are *released* into it. Every policy is a
     ``blocks`` just reached ``ref_cnt == 0``, given in the design's append order: a
     request's block table reversed, so its deepest (least reusable) block comes first.
     ``request`` is the request whose blocks they were (None when the pool is driven
-    directly); only ``learned-reuse`` looks at it, and only at its ``status`` and
-    ``num_output_tokens``.
+    directly); ``learned-reuse`` looks at its ``status`` and ``num_output_tokens``,
+    ``document-liveness`` also at its prompt's block hashes and length.
 
 Policies:
 
@@ -30,6 +30,10 @@ Policies:
     Learns, online, which kinds of finished requests leave content that is looked up
     again, and evicts new content of the kinds that rarely are before anything else.
     Otherwise ``lru``, with unhashed blocks first.
+``document-liveness`` (see :mod:`prefixcache.core.document_liveness`)
+    Groups content by document (the prompt's first block) and evicts first the blocks
+    whose document is least likely to be asked about again, as estimated online from
+    each kind of document's history and its silence since; unhashed blocks first.
 
 New policies register in :data:`EVICTION_POLICIES`.
 """
@@ -40,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.core.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
 
@@ -531,6 +536,7 @@ EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
     UnhashedFirstFreeBlockQueue.policy_name: UnhashedFirstFreeBlockQueue,
     TwoQueueFreeBlockQueue.policy_name: TwoQueueFreeBlockQueue,
     LearnedReuseFreeBlockQueue.policy_name: LearnedReuseFreeBlockQueue,
+    DocumentLivenessFreeBlockQueue.policy_name: DocumentLivenessFreeBlockQueue,
 }
 DEFAULT_EVICTION_POLICY = LRUFreeBlockQueue.policy_name
 

@@ -109,7 +109,8 @@ def register(subparsers) -> None:
                                           "512 for Mooncake traces)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help="eviction policies: lru (default), unhashed-first, 2q, "
-                             "learned-reuse, or 'online' for all of these; offline: belady, "
+                             "learned-reuse, document-liveness, or 'online' for all of "
+                             "these; offline: belady, "
                              "and the diagnostics dead-first, dead-once-first, "
                              "dead-repeat-first (see above)")
     mode = parser.add_mutually_exclusive_group()

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheManager, Request
 from prefixcache.core.block_pool import BlockHashToBlockMap
+from prefixcache.core.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS, DeadContentFirstFreeBlockQueue
@@ -147,7 +148,8 @@ class ReplayResult:
     requests_per_s: float
     blocks_per_s: float
     # What a learning policy learned by the end (learned-reuse: its per-signature table,
-    # see LearnedReuseFreeBlockQueue.reuse_estimates, and the overall reuse rate).
+    # see LearnedReuseFreeBlockQueue.reuse_estimates, and the overall reuse rate;
+    # document-liveness: its classes, see DocumentLivenessModel.class_estimates).
     policy_state: dict | None = None
 
     def to_dict(self) -> dict:
@@ -273,13 +275,20 @@ class _Replay:
 
     def _policy_state(self) -> dict | None:
         queue = self.manager.block_pool.free_block_queue
-        if not isinstance(queue, LearnedReuseFreeBlockQueue):
-            return None
-        return {
-            "overall_reuse_rate": queue.overall_reuse_rate(),
-            "signatures": [{"signature": signature, **row}
-                           for signature, row in queue.reuse_estimates().items()],
-        }
+        if isinstance(queue, LearnedReuseFreeBlockQueue):
+            return {
+                "overall_reuse_rate": queue.overall_reuse_rate(),
+                "signatures": [{"signature": signature, **row}
+                               for signature, row in queue.reuse_estimates().items()],
+            }
+        if isinstance(queue, DocumentLivenessFreeBlockQueue):
+            model = queue.model
+            return {
+                "overall_continuation_probability": model.overall_p,
+                "requests_between_a_documents_requests": 1.0 / model.rate,
+                "classes": model.class_estimates(),
+            }
+        return None
 
     def _run_sequential(self) -> float:
         manager = self.manager

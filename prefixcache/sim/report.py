@@ -47,8 +47,10 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-    if result.policy_state is not None:
-        text += "\n\n" + format_learned_reuse(result.policy_state)
+    state = result.policy_state
+    if state is not None:
+        text += "\n\n" + (format_document_liveness(state) if "classes" in state
+                           else format_learned_reuse(state))
     return text
 
 
@@ -65,6 +67,26 @@ def format_learned_reuse(state: dict) -> str:
         lines.append(f"{tokens:>16}  {row['inserted']:>9,.0f}  {row['reused']:>9,.0f}  "
                      f"{100 * row['estimated_reuse_rate']:>7.1f}%  "
                      f"{'yes' if row['evicted_first'] else 'no'}")
+    return "\n".join(lines)
+
+
+def format_document_liveness(state: dict) -> str:
+    """document-liveness's model: per class of document, the states seen (a document
+    having just had a request), how many were followed by another request so far, and
+    the estimated chance of another request (which counts the silences too)."""
+    lines = [f"document-liveness: chance a document is asked about again (overall "
+             f"{100 * state['overall_continuation_probability']:.1f} %; a live document's "
+             f"next request comes every ~{state['requests_between_a_documents_requests']:,.0f}"
+             f" requests)",
+             f"{'after':>6}  {'class':<30}  {'states':>7}  {'continued':>9}  {'estimate':>8}"]
+    for row in state["classes"]:
+        kind, bits = row["class"]
+        low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+        span = str(low) if low == high else f"{low}-{high}"
+        after, label = (("first", f"generated {span} tokens") if kind == "first"
+                        else ("later", f"prompt lengths vary by {span}"))
+        lines.append(f"{after:>6}  {label:<30}  {row['states']:>7,}  {row['continued']:>9,}  "
+                     f"{100 * row['estimated_p']:>7.1f}%")
     return "\n".join(lines)
 
 

@@ -166,7 +166,7 @@ def test_a_reset_moves_the_upper_segment_to_the_head_of_the_lower_one(policy):
     assert not any(queue.in_upper)
 
 
-@pytest.mark.parametrize("policy", ["2q", "learned-reuse"])
+@pytest.mark.parametrize("policy", ["2q", "learned-reuse", "document-liveness"])
 def test_after_a_reset_empty_blocks_are_taken_before_new_content_is_evicted(policy):
     outcomes = {}
     for name in (policy, "unhashed-first"):

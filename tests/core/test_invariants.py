@@ -25,6 +25,7 @@ from prefixcache.core import (
 )
 from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
 from prefixcache.core.request import RequestStatus
+from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
 from tests.core.helpers import snapshot
 
 BLOCK_SIZE = 4
@@ -208,6 +209,22 @@ class ManagerMachine(RuleBasedStateMachine):
             assert_links_agree(queue.upper, upper)
             for block in pool.blocks:
                 assert queue.in_upper[block.block_id] == (block in upper)
+        elif isinstance(queue, ScoredFreeBlockQueue):
+            # A heap: the entries still current are the free blocks, each exactly once,
+            # and only free blocks carry the "in the queue" (odd) version.
+            current = [entry[3] for entry in queue._heap
+                       if queue._versions.get(entry[3].block_id) == entry[2]]
+            assert sorted(b.block_id for b in current) == sorted(free_ids)
+            for block in pool.blocks:
+                in_queue = queue._versions.get(block.block_id, 0) % 2 == 1
+                assert in_queue == (block.block_id in free_ids)
+            # Nothing cached is kept while an empty block could be used instead.
+            keys = {entry[3].block_id: entry[0] for entry in queue._heap
+                    if queue._versions.get(entry[3].block_id) == entry[2]}
+            empty_keys = [keys[b.block_id] for b in free if b.block_hash is None]
+            cached_keys = [keys[b.block_id] for b in free if b.block_hash is not None]
+            if empty_keys and cached_keys:
+                assert max(empty_keys) < min(cached_keys)
         else:
             assert_links_agree(queue, free)
 

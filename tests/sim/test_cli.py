@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
 from tests.processes import run_with_reader_gone
 from tests.sim.helpers import TRACE_PATH, write_lines
@@ -48,7 +49,9 @@ def test_online_stands_for_every_online_policy_in_order_without_repeats(small_tr
                  "--policy", "2q,online,belady", "--json", str(out), "--quiet"])
     assert code == 0
     policies = [run["policy"] for run in json.loads(out.read_text())["runs"]]
-    assert policies == ["2q", "lru", "unhashed-first", "learned-reuse", "belady"]
+    assert policies == ["2q", "lru", "unhashed-first", "learned-reuse", "document-liveness",
+                        "belady"]
+    assert set(policies) == {*EVICTION_POLICIES, "belady"}
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):
@@ -70,6 +73,29 @@ def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsy
         assert low == high == 0 if row["signature"] == 0 else \
             (low, high) == (2 ** (row["signature"] - 1), 2 ** row["signature"] - 1)
     assert any(row["evicted_first"] for row in rows if row["output_tokens"][0] >= 256)
+
+
+def test_document_liveness_replay_shows_its_model(small_trace, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["replay", str(small_trace), "--num-blocks", "1000", "--block-size", "512",
+                 "--policy", "document-liveness", "--json", str(out), "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "document-liveness: chance a document is asked about again" in text
+    (run,) = json.loads(out.read_text())["runs"]
+    state = run["policy_state"]
+    rows = state["classes"]
+    assert [row["class"][0] for row in rows] == sorted((row["class"][0] for row in rows),
+                                                       key=lambda kind: kind != "first")
+    for row in rows:
+        assert 0 <= row["continued"] <= row["states"] and 0 < row["estimated_p"] < 1
+        kind, bits = row["class"]
+        label = "generated" if kind == "first" else "prompt lengths vary by"
+        low = 0 if bits == 0 else 2 ** (bits - 1)
+        assert f"{label} {low}" in text
+    # Every request with a full prompt block is one state of its document.
+    assert sum(row["states"] for row in rows) <= 200
+    assert state["requests_between_a_documents_requests"] > 1
 
 
 def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):

@@ -117,7 +117,9 @@ def register(subparsers) -> None:
                      help="which free cached block is evicted first: lru (the design's "
                           "order), unhashed-first (vLLM 0.33's order), 2q (protects "
                           "content referenced twice), learned-reuse (learns which kinds of "
-                          "requests leave reused content) (default: %(default)s)")
+                          "requests leave reused content), document-liveness (evicts first "
+                          "what belongs to documents least likely to be asked about again) "
+                          "(default: %(default)s)")
     eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                      type=positive_int, default=None, metavar="N",
                      help="KV pool size in blocks, overriding --kv-cache-memory "

@@ -1,0 +1,392 @@
+"""Eviction by how likely a document is to be asked about again: ``document-liveness``.
+
+A *document* is the content behind the first full block of a prompt: every request whose
+prompt starts with the same block (same hash, so same tokens, salt and LoRA) asks about
+the same document — a long text that several questions share, or the earlier turns of a
+chat. On traces of such workloads the next request usually comes from any of the
+documents still being asked about, each about equally likely; what an eviction policy can
+tell apart is *which documents are still alive* — will be asked about again at all.
+
+The policy models exactly that, online, from what the cache sees:
+
+- A document in a given *class* after its ``k``-th request gets another request with
+  probability ``p`` (learned per class). Classes use features any engine has, as bit
+  lengths so that no threshold is tuned to a trace: after the first request, the tokens
+  it generated and its prompt length; after a later one, how much the document's prompt
+  lengths have varied so far and ``min(k, 8)``. Estimates are shrunk towards their
+  coarser class (first request or later one, then the first feature alone).
+- An alive document's next request arrives at the same rate ``h(t)`` per request as any
+  other's; the rate drifts (it rises as the set of live documents drains), so it is fitted
+  per bin of releases. After a silence, the chance that the document is alive is
+  ``p·S / (p·S + 1 - p)`` with ``S = exp(-(H(now) - H(t0)))`` and ``H`` the cumulative
+  rate: its log-odds are ``logit(p) + H(t0) - H(now)``. ``H(now)`` is common to every
+  block, so the fixed key ``logit(p) + H(t0)``, set when the blocks are released, ranks
+  free blocks by their chance of being alive; the lowest is evicted first.
+- A block also needs the document's next request to *reach* it: the last block or two of
+  a prompt often hold the question, which the next request replaces. The key adds
+  ``log r(d)``, the learned share of blocks at depth ``d`` from the end of a prompt (0, 1,
+  2, 3 or more) that the document's next request shared.
+- ``p`` and ``h`` are fitted together by expectation-maximisation, every 50 releases:
+  a request that came gives its document's previous state weight 1; a state still waiting
+  counts with its posterior chance of being alive, and the rate is continuations over
+  alive exposure. The fit covers at most the last 5,000 states (cut back to the last
+  2,500 when full), and at most 100,000 documents are remembered, so memory and fitting
+  time stay bounded however long the engine runs.
+
+Blocks holding no cached content go first, as in ``unhashed-first``. A request's blocks are
+released deepest first, and among equal keys the first released goes first. A preempted
+request's release is not a request: its blocks get the key of an unknown document, and it
+counts when it finishes.
+
+What it costs: a heap (O(log n) per block released or evicted, instead of O(1)), and a
+refit over at most 5,000 states every 50 finished requests (plain Python, as the whole
+core: about 15 ms for 5,000 states, a third of a millisecond per request). On the
+shared Mooncake trace it is the best online policy at every capacity measured
+(docs/benchmarks.md); it assumes nothing about that trace beyond documents being asked
+about more than once, but its gain depends on workloads having that shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.hashing import BlockHash
+from prefixcache.core.request import Request, RequestStatus
+from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
+
+# The key of a block that holds nothing cached: always evicted first.
+EMPTY_KEY = float("-inf")
+
+
+def logit(p: float) -> float:
+    """log(p / (1 - p)), with ``p`` clipped to [1e-4, 1 - 1e-4] to stay finite."""
+    p = min(max(p, 1e-4), 1.0 - 1e-4)
+    return math.log(p / (1.0 - p))
+
+
+def cumulative_rate(offset: int, rates: list[float], at_bin_start: list[float],
+                    width: int) -> float:
+    """H at ``offset``: the integral of a rate that is ``rates[j]`` over bin ``j`` (of
+    ``width`` releases from offset 0; ``at_bin_start[j]`` is H where bin ``j`` starts),
+    and the last bin's beyond."""
+    j = min(offset // width, len(rates) - 1)
+    return at_bin_start[j] + rates[j] * (offset - j * width)
+
+
+class _Document:
+    """What the policy remembers of one document."""
+
+    __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
+                 "min_prompt_tokens", "max_prompt_tokens", "state_id", "prompt_hashes")
+
+    def __init__(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.num_requests = 0
+        self.first_output_tokens = output_tokens
+        self.first_prompt_tokens = prompt_tokens
+        self.min_prompt_tokens = self.max_prompt_tokens = prompt_tokens
+        self.state_id = -1  # its latest state in the model; -1 before the first request
+        self.prompt_hashes: list[BlockHash] = []  # of its latest request
+
+
+class DocumentLivenessModel:
+    """The online estimate of ``p`` per class, of the request rate ``h(t)``, of ``r(d)``,
+    and the clock ``H`` (module docstring).
+
+    Time counts finished requests (:meth:`tick`). A *state* is a document having just
+    had a request: it gets a class, and later either a continuation (the document's next
+    request) or nothing yet. Tuning: ``refit_every`` releases between fits,
+    ``em_iterations`` per fit, ``prior_weight`` of the coarser class in each estimate,
+    ``hazard_bin`` releases per rate bin, ``max_count`` where the request count stops
+    splitting classes, ``max_depth`` where depths merge, ``max_states`` states kept.
+    """
+
+    def __init__(self, *, refit_every: int = 50, em_iterations: int = 4,
+                 prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
+                 max_depth: int = 3, max_states: int = 5_000,
+                 initial_rate: float = 0.002) -> None:
+        self.refit_every = refit_every
+        self.em_iterations = em_iterations
+        self.prior_weight = prior_weight
+        self.hazard_bin = hazard_bin
+        self.max_count = max_count
+        self.max_depth = max_depth
+        self.max_states = max_states
+        self.now = 0
+        self.clock = 0.0  # H(now), advanced by the latest fitted rate at every tick
+        self.rate = initial_rate
+        self.overall_p = 0.5  # the root class's estimate
+        # Classes: three levels, each class with an id and its parent's id one level up.
+        self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
+        self._class_parents: list[list[int]] = [[], [], []]
+        self._leaf_p: list[float] = []  # per finest class; overall_p until fitted
+        # States, oldest first; ids are absolute, list index = id - _first_state_id.
+        self._first_state_id = 0
+        self._state_classes: list[tuple[int, int, int]] = []
+        self._state_start: list[int] = []
+        self._state_continued_at: list[int] = []  # -1 while waiting
+        # Rates per bin of `hazard_bin` releases, from bin `_first_bin` on.
+        self._first_bin = 0
+        self._bin_rates = [initial_rate]
+        self._last_fit = 0
+        # Blocks at each depth from the end of a prompt, and how many the next request
+        # shared; starts at 1 of 2 (a uniform prior).
+        self._depth_shared = [1.0] * (max_depth + 1)
+        self._depth_seen = [2.0] * (max_depth + 1)
+
+    # -- classes ------------------------------------------------------------------------
+
+    def class_path(self, document: _Document) -> tuple[tuple, tuple, tuple]:
+        """The document's class at each level, coarsest first."""
+        if document.num_requests == 1:
+            output_bits = document.first_output_tokens.bit_length()
+            return (("first",), ("first", output_bits),
+                    ("first", output_bits, document.first_prompt_tokens.bit_length()))
+        spread_bits = (document.max_prompt_tokens - document.min_prompt_tokens).bit_length()
+        return (("again",), ("again", spread_bits),
+                ("again", spread_bits, min(document.num_requests, self.max_count)))
+
+    def _class_id_path(self, path: tuple[tuple, tuple, tuple]) -> tuple[int, int, int]:
+        ids = []
+        parent = -1
+        for level, key in enumerate(path):
+            class_ids = self._class_ids[level]
+            class_id = class_ids.get(key)
+            if class_id is None:
+                class_id = class_ids[key] = len(class_ids)
+                self._class_parents[level].append(parent)
+                if level == 2:
+                    self._leaf_p.append(self.overall_p)
+            ids.append(class_id)
+            parent = class_id
+        return ids[0], ids[1], ids[2]
+
+    # -- events -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """A request finished: time and the clock move on."""
+        self.now += 1
+        self.clock += self.rate
+
+    def new_state(self, document: _Document) -> int:
+        """``document`` just had a request (``num_requests`` already counted): close its
+        previous state as continued, open a new one; returns its id."""
+        previous = document.state_id - self._first_state_id
+        if document.state_id >= 0 and previous >= 0:
+            self._state_continued_at[previous] = self.now
+        self._state_classes.append(self._class_id_path(self.class_path(document)))
+        self._state_start.append(self.now)
+        self._state_continued_at.append(-1)
+        if len(self._state_start) > self.max_states:
+            drop = len(self._state_start) - self.max_states // 2
+            del self._state_classes[:drop], self._state_start[:drop]
+            del self._state_continued_at[:drop]
+            self._first_state_id += drop
+        if self.now - self._last_fit >= self.refit_every:
+            self._fit()
+            self._last_fit = self.now
+        return self._first_state_id + len(self._state_start) - 1
+
+    def continuation_probability(self, state_id: int) -> float:
+        """``p`` of the state's class: the chance its document gets another request."""
+        leaf = self._state_classes[state_id - self._first_state_id][2]
+        return self._leaf_p[leaf]
+
+    def observe_next_request(self, previous_hashes: list[BlockHash],
+                             new_hashes: list[BlockHash]) -> None:
+        """A document's next request came: count, per depth from the end of its previous
+        prompt, the blocks it shared."""
+        shared = set(new_hashes)
+        last = len(previous_hashes) - 1
+        max_depth = self.max_depth
+        for position, block_hash in enumerate(previous_hashes):
+            depth = min(last - position, max_depth)
+            self._depth_seen[depth] += 1
+            if block_hash in shared:
+                self._depth_shared[depth] += 1
+
+    def log_share_reached(self, depth: int) -> float:
+        """log r(depth): how often the next request shares a block this deep from the end."""
+        depth = min(depth, self.max_depth)
+        return math.log(self._depth_shared[depth] / self._depth_seen[depth])
+
+    # -- fitting --------------------------------------------------------------------------
+
+    def _fit(self) -> None:
+        """Refit ``p`` per class and the rate per bin by EM over the states kept.
+
+        Plain Python, as the whole core (no numpy): one pass over the states and one over
+        the releases they span per iteration."""
+        now = self.now
+        width = self.hazard_bin
+        starts = self._state_start  # in time order: the first is the earliest
+        continued_at = self._state_continued_at
+        classes = self._state_classes
+        first_bin = starts[0] // width
+        origin = first_bin * width
+        num_bins = now // width - first_bin + 1
+        # Start from the previous fit's rates where its bins overlap, else its last one.
+        previous = self._bin_rates
+        rates = [previous[j - self._first_bin]
+                 if 0 <= j - self._first_bin < len(previous) else previous[-1]
+                 for j in range(first_bin, first_bin + num_bins)]
+        leaf_p = self._leaf_p
+        start_offsets = [start - origin for start in starts]
+        end_offsets = [(at if at >= 0 else now) - origin for at in continued_at]
+        events = [0] * num_bins  # continuations per bin: the same in every iteration
+        for at in continued_at:
+            if at >= 0:
+                events[(at - origin) // width] += 1
+        num_classes = [len(ids) for ids in self._class_ids]
+        prior_weight = self.prior_weight
+        overall = self.overall_p
+        for _ in range(self.em_iterations):
+            # E: the chance each waiting state's document is still alive.
+            at_bin_start = [0.0]
+            for rate in rates:
+                at_bin_start.append(at_bin_start[-1] + rate * width)
+            weights = []
+            for start, end, at, state_classes in zip(start_offsets, end_offsets,
+                                                      continued_at, classes, strict=True):
+                if at >= 0:
+                    weights.append(1.0)
+                    continue
+                p = leaf_p[state_classes[2]]
+                alive = p * math.exp(cumulative_rate(start, rates, at_bin_start, width)
+                                     - cumulative_rate(end, rates, at_bin_start, width))
+                weights.append(alive / max(alive + 1.0 - p, 1e-12))
+            # M: p per class, each shrunk towards its parent's.
+            overall = (sum(weights) + 1.0) / (len(weights) + 2.0)
+            estimates: list[list[float]] = []
+            for level in range(3):
+                successes = [0.0] * num_classes[level]
+                trials = [0] * num_classes[level]
+                for weight, state_classes in zip(weights, classes, strict=True):
+                    successes[state_classes[level]] += weight
+                    trials[state_classes[level]] += 1
+                parents = self._class_parents[level]
+                estimates.append([
+                    (successes[c] + prior_weight * (overall if level == 0
+                                                    else estimates[-1][parents[c]]))
+                    / (trials[c] + prior_weight)
+                    for c in range(num_classes[level])])
+            leaf_p = estimates[2]
+            # M: the rate per bin, continuations over the expected alive exposure.
+            change = [0.0] * (now - origin + 2)
+            for start, end, weight in zip(start_offsets, end_offsets, weights, strict=True):
+                change[start] += weight
+                change[end] -= weight
+            exposure = [0.0] * num_bins
+            alive_count = 0.0
+            for offset in range(now - origin + 1):
+                alive_count += change[offset]
+                exposure[offset // width] += alive_count
+            rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
+                     for j in range(num_bins)]
+        self._leaf_p = leaf_p
+        self.overall_p = overall
+        self._first_bin = first_bin
+        self._bin_rates = rates
+        # The latest bin once it is at least half full, else the one before.
+        elapsed_in_last = now - (now // width) * width
+        latest = num_bins - 1 if elapsed_in_last >= width / 2 or num_bins == 1 else num_bins - 2
+        self.rate = rates[latest]
+
+    def class_estimates(self) -> list[dict]:
+        """Per middle-level class (after a first request, by tokens it generated; after a
+        later one, by how much the document's prompt lengths varied), first requests
+        first: states kept, states continued, and the estimated ``p`` averaged over its
+        states. For reports."""
+        rows: dict[tuple, dict] = {}
+        middle_keys = {class_id: key for key, class_id in self._class_ids[1].items()}
+        for (_, middle, leaf), continued_at in zip(self._state_classes,
+                                                   self._state_continued_at, strict=True):
+            row = rows.setdefault(middle_keys[middle], {"states": 0, "continued": 0,
+                                                        "p_sum": 0.0})
+            row["states"] += 1
+            row["continued"] += continued_at >= 0
+            row["p_sum"] += self._leaf_p[leaf]
+        return [{"class": list(key), "states": row["states"], "continued": row["continued"],
+                 "estimated_p": row["p_sum"] / row["states"]}
+                for key, row in sorted(rows.items(),
+                                       key=lambda item: (item[0][0] != "first", item[0][1]))]
+
+
+class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
+    """The ``document-liveness`` policy (module docstring): free blocks keyed by
+    ``logit(p) + H(release) + log r(depth)``, lowest evicted first; blocks holding
+    nothing cached first of all. ``max_documents`` bounds the documents remembered
+    (least recently asked about forgotten first)."""
+
+    policy_name = "document-liveness"
+
+    def __init__(self, blocks: Iterable[KVCacheBlock], *,
+                 max_documents: int = 100_000) -> None:
+        self.model = DocumentLivenessModel()
+        self.max_documents = max_documents
+        self._documents: OrderedDict[BlockHash, _Document] = OrderedDict()
+        super().__init__(blocks)
+
+    def key_for(self, block: KVCacheBlock) -> float:
+        """A block released without a (finished) request: the key of an unknown document
+        released now."""
+        if block.block_hash is None:
+            return EMPTY_KEY
+        return logit(self.model.overall_p) + self.model.clock
+
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
+        prompt_hashes = self._prompt_hashes(request)
+        if not prompt_hashes or request.status is RequestStatus.PREEMPTED:
+            self.append_n(blocks)
+            return
+        model = self.model
+        document = self._note_request(request, prompt_hashes)
+        base_key = logit(model.continuation_probability(document.state_id)) + model.clock
+        last = len(prompt_hashes) - 1
+        depth_of = {block_hash: last - position
+                    for position, block_hash in enumerate(prompt_hashes)}
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                self._push(block, EMPTY_KEY)
+            else:
+                # Generated content beyond the prompt counts as its deepest block.
+                depth = depth_of.get(block_hash, 0)
+                self._push(block, base_key + model.log_share_reached(depth))
+
+    def forget_cached_content(self) -> None:
+        # Every block is empty now: all go before any content cached from here on. What
+        # was learned about documents stays true and is kept.
+        blocks = self.get_all_free_blocks()
+        self._heap, self._versions, self.num_free_blocks = [], {}, 0
+        self.append_n(blocks)
+
+    def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
+        """The hashes of the request's full prompt blocks (not of generated tokens)."""
+        if request is None or not request.block_hashes or request.block_hasher is None:
+            return []
+        num_prompt_blocks = request.num_prompt_tokens // request.block_hasher.block_size
+        return request.block_hashes[:num_prompt_blocks]
+
+    def _note_request(self, request: Request, prompt_hashes: list[BlockHash]) -> _Document:
+        """Count a finished request on its document; returns the document."""
+        documents = self._documents
+        root = prompt_hashes[0]
+        document = documents.get(root)
+        prompt_tokens = request.num_prompt_tokens
+        if document is None:
+            document = documents[root] = _Document(prompt_tokens, request.num_output_tokens)
+            if len(documents) > self.max_documents:
+                documents.popitem(last=False)
+        else:
+            documents.move_to_end(root)
+            document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
+            document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
+            self.model.observe_next_request(document.prompt_hashes, prompt_hashes)
+        document.num_requests += 1
+        document.prompt_hashes = prompt_hashes
+        self.model.tick()
+        document.state_id = self.model.new_state(document)
+        return document

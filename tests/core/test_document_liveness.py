@@ -1,0 +1,185 @@
+"""The document-liveness eviction policy: its model recovers how documents come back, and
+the queue evicts by that — dead-looking documents and question tails first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixcache.core import Request
+from prefixcache.core.document_liveness import (
+    EMPTY_KEY,
+    DocumentLivenessFreeBlockQueue,
+    DocumentLivenessModel,
+    _Document,
+)
+from prefixcache.core.request import RequestStatus
+from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
+
+BLOCK_SIZE = 4
+
+
+def make_liveness_manager(num_blocks: int = 400):
+    return make_manager(num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                        eviction_policy="document-liveness")
+
+
+def queue_of(mgr) -> DocumentLivenessFreeBlockQueue:
+    queue = mgr.block_pool.free_block_queue
+    assert isinstance(queue, DocumentLivenessFreeBlockQueue)
+    return queue
+
+
+def run_request(mgr, request_id: str, prompt: list[int], num_output_tokens: int = 1,
+                status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> list[int]:
+    """Prefill, generate ``num_output_tokens`` (slots allocated), end with ``status``, free;
+    returns the ids of the prompt's full blocks."""
+    request = Request(request_id, prompt)
+    _, new_ids = schedule_prefill(mgr, request)
+    assert new_ids is not None
+    prompt_block_ids = [b.block_id for b in mgr.req_to_blocks[request_id]]
+    prompt_block_ids = prompt_block_ids[:len(prompt) // BLOCK_SIZE]
+    request.append_output_token_ids([7] * num_output_tokens)
+    assert mgr.allocate_slots(request, num_output_tokens) is not None
+    request.num_computed_tokens = request.num_tokens
+    request.status = status
+    mgr.free(request)
+    return prompt_block_ids
+
+
+def simulate_documents(model: DocumentLivenessModel, rng: random.Random,
+                       continuation: dict[int, float], num_documents: int) -> dict:
+    """Play the arrival model the policy assumes: documents of two kinds (by tokens their
+    first request generates), each asked again with probability ``continuation[kind]``
+    after every request; every step, one unfinished document, chosen uniformly, has its
+    next request. Returns, per kind, the state ids of first requests."""
+    kinds = [kind for kind in continuation for _ in range(num_documents // 2)]
+    documents = [_Document(prompt_tokens=1000, output_tokens=kind) for kind in kinds]
+    unfinished = list(range(len(documents)))
+    first_states: dict[int, list[int]] = {kind: [] for kind in continuation}
+    while unfinished:
+        index = rng.choice(unfinished)
+        document = documents[index]
+        document.num_requests += 1
+        model.tick()
+        document.state_id = model.new_state(document)
+        if document.num_requests == 1:
+            first_states[kinds[index]].append(document.state_id)
+        if rng.random() >= continuation[kinds[index]]:
+            unfinished.remove(index)
+    return first_states
+
+
+def test_the_model_recovers_how_likely_each_kind_of_document_is_to_come_back():
+    model = DocumentLivenessModel()
+    first_states = simulate_documents(model, random.Random(0), {3: 0.85, 300: 0.2}, 400)
+    often = model.continuation_probability(first_states[3][-1])
+    rarely = model.continuation_probability(first_states[300][-1])
+    assert 0.7 < often < 0.95
+    assert 0.08 < rarely < 0.35
+    assert len(model._state_start) == model.now  # one state per request
+    # The request rate per live document: 1 / (documents still unfinished) at the end,
+    # which is much larger than at the start, when all 400 were.
+    assert model.rate > 3 / 400
+
+
+def test_memory_stays_bounded():
+    model = DocumentLivenessModel(max_states=100, refit_every=10)
+    simulate_documents(model, random.Random(1), {3: 0.8, 300: 0.3}, 200)
+    assert len(model._state_start) <= 100
+    assert model._first_state_id > 0
+    # States dropped from the window are continued without error; estimates stay sane.
+    assert 0.0 < model.overall_p < 1.0
+
+    mgr = make_liveness_manager()
+    queue = queue_of(mgr)
+    queue.max_documents = 3
+    for i in range(6):
+        run_request(mgr, f"d{i}", seq(100 * i, 9))
+    assert len(queue._documents) == 3
+
+
+def test_a_question_block_goes_before_the_document_it_asks_about():
+    mgr = make_liveness_manager()
+    document = seq(0, 12)  # three full blocks
+    first = run_request(mgr, "q1", document + seq(500, 4) + [1])
+    second = run_request(mgr, "q2", document + seq(600, 4) + [2])
+    # The second question shared every block of the first but its question: the model
+    # learns that the last block of a prompt is rarely reached by the next request.
+    model = queue_of(mgr).model
+    assert model.log_share_reached(0) < model.log_share_reached(1)
+    cached_order = [i for i in free_ids(mgr) if mgr.block_pool.blocks[i].block_hash]
+    question_2, question_1 = second[-1], first[-1]
+    document_blocks = second[:3]
+    assert document_blocks == first[:3]  # the document was hit, not recomputed
+    # Questions first (the newer one is at depth 0 of the better-informed estimate), then
+    # the document, deepest block first.
+    assert cached_order[:2] == [question_2, question_1]
+    assert cached_order[2:5] == list(reversed(document_blocks))
+
+
+def test_a_kind_of_document_that_never_comes_back_is_evicted_before_one_that_does():
+    mgr = make_liveness_manager(num_blocks=2000)
+    rng = random.Random(2)
+    # Documents whose first answer is short are asked about again; those whose first
+    # answer is long never are.
+    for i in range(60):
+        run_request(mgr, f"long{i}", seq(10_000 + 100 * i, 13), num_output_tokens=300)
+        run_request(mgr, f"short{i}", seq(50_000 + 100 * i, 13), num_output_tokens=3)
+        if i >= 2:
+            j = rng.randrange(i - 2, i)
+            run_request(mgr, f"short{j} again {i}", seq(50_000 + 100 * j, 12) + [9, 9],
+                        num_output_tokens=3)
+    kept = run_request(mgr, "short new", seq(90_000, 13), num_output_tokens=3)
+    # Released later, but its kind of document is seldom asked about again.
+    dropped = run_request(mgr, "long new", seq(95_000, 13), num_output_tokens=300)
+    order = free_ids(mgr)
+    assert max(order.index(b) for b in dropped) < min(order.index(b) for b in kept)
+    # Under LRU the opposite: the one released last is kept longest.
+    lru = make_manager(num_blocks=2000, block_size=BLOCK_SIZE)
+    kept_lru = run_request(lru, "short new", seq(90_000, 13), num_output_tokens=3)
+    dropped_lru = run_request(lru, "long new", seq(95_000, 13), num_output_tokens=300)
+    order = free_ids(lru)
+    assert max(order.index(b) for b in kept_lru) < min(order.index(b) for b in dropped_lru)
+
+
+def test_a_preempted_release_is_not_a_request():
+    mgr = make_liveness_manager()
+    queue = queue_of(mgr)
+    run_request(mgr, "p", seq(0, 9), status=RequestStatus.PREEMPTED)
+    assert queue.model.now == 0 and not queue._documents
+    run_request(mgr, "p", seq(0, 9))
+    assert queue.model.now == 1 and len(queue._documents) == 1
+
+
+def test_empty_blocks_always_come_first_and_a_reset_empties_every_key():
+    mgr = make_liveness_manager(num_blocks=20)
+    run_request(mgr, "a", seq(0, 9))  # 2 cached blocks, a partial one
+    queue = queue_of(mgr)
+    keys = {entry[3].block_id: entry[0] for entry in queue._live_entries()}
+    cached = [i for i in free_ids(mgr) if mgr.block_pool.blocks[i].block_hash is not None]
+    assert len(cached) == 2 and free_ids(mgr)[-2:] == cached
+    assert all(keys[i] > EMPTY_KEY for i in cached)
+    assert mgr.reset_prefix_cache()
+    assert all(entry[0] == EMPTY_KEY for entry in queue._live_entries())
+    assert queue.num_free_blocks == 20
+
+
+@pytest.mark.parametrize("max_states", [8, 20_000])
+def test_random_workloads_keep_the_queue_exact(max_states):
+    mgr = make_liveness_manager(num_blocks=24)
+    queue = queue_of(mgr)
+    queue.model = DocumentLivenessModel(max_states=max_states, refit_every=5)
+    rng = random.Random(max_states)
+    for i in range(300):
+        start = 100 * rng.randrange(12)
+        prompt = seq(start, rng.randrange(1, 20)) + [rng.randrange(10_000)]
+        request = Request(str(i), prompt)
+        if schedule_prefill(mgr, request)[1] is None:
+            continue
+        request.status = rng.choice([RequestStatus.FINISHED_STOPPED, RequestStatus.PREEMPTED])
+        mgr.free(request)
+        free = queue.get_all_free_blocks()
+        assert len(free) == queue.num_free_blocks == 24
+        assert len({b.block_id for b in free}) == 24
