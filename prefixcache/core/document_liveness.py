@@ -22,28 +22,35 @@ The policy models exactly that, online, from what the cache sees:
   rate: its log-odds are ``logit(p) + H(t0) - H(now)``. ``H(now)`` is common to every
   block, so the fixed key ``logit(p) + H(t0)``, set when the blocks are released, ranks
   free blocks by their chance of being alive; the lowest is evicted first.
-- A block also needs the document's next request to *reach* it: the last block or two of
-  a prompt often hold the question, which the next request replaces. The key adds
-  ``log r(d)``, the learned share of blocks at depth ``d`` from the end of a prompt (0, 1,
-  2, 3 or more) that the document's next request shared.
-- ``p`` and ``h`` are fitted together by expectation-maximisation, every 50 releases:
+- A block also needs the document's next request to *reach* it: the last tokens of a
+  prompt often hold the question, which the next request replaces. The key adds
+  ``log r(d)``, the learned share of blocks at depth ``d`` from the end of a prompt that
+  the document's next request shared; ``d`` is the bit length of the block's distance
+  from the prompt's end in tokens (so the classes mean the same at any block size),
+  capped at 12 (2,048 tokens and more).
+- ``p`` and ``h`` are fitted together by expectation-maximisation, every 25 releases:
   a request that came gives its document's previous state weight 1; a state still waiting
   counts with its posterior chance of being alive, and the rate is continuations over
-  alive exposure. The fit covers at most the last 5,000 states (cut back to the last
-  2,500 when full), and at most 100,000 documents are remembered, so memory and fitting
-  time stay bounded however long the engine runs.
+  alive exposure. After each fit every free block is re-keyed with its class's new ``p``
+  and its depth's new ``r`` (its ``H`` at release stays): early estimates are poor — the
+  first silences cannot yet tell "dead" from "asked rarely" — and keys frozen at release
+  would keep those errors in the ranking for as long as the blocks stay cached. The fit
+  covers at most the last 5,000 states (cut back to the last 2,500 when full), and at
+  most 100,000 documents are remembered, so memory and fitting time stay bounded however
+  long the engine runs.
 
 Blocks holding no cached content go first, as in ``unhashed-first``. A request's blocks are
 released deepest first, and among equal keys the first released goes first. A preempted
 request's release is not a request: its blocks get the key of an unknown document, and it
 counts when it finishes.
 
-What it costs: a heap (O(log n) per block released or evicted, instead of O(1)), and a
-refit over at most 5,000 states every 50 finished requests (plain Python, as the whole
-core: about 15 ms for 5,000 states, a third of a millisecond per request). On the
-shared Mooncake trace it is the best online policy at every capacity measured
-(docs/benchmarks.md); it assumes nothing about that trace beyond documents being asked
-about more than once, but its gain depends on workloads having that shape.
+What it costs: a heap (O(log n) per block released or evicted, instead of O(1)), and
+every 25 finished requests a refit over at most 5,000 states (plain Python, as the whole
+core: about 15 ms for 5,000 states) and a re-key of the free blocks (O(n)). On the
+shared Mooncake trace it is the best online policy from 2,000 to 8,000 blocks of 512
+tokens, where Belady's lead over LRU is widest; ``learned-reuse`` does better at larger
+caches (docs/benchmarks.md). It assumes nothing about that trace beyond documents being
+asked about more than once, but its gain depends on workloads having that shape.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
 
 # The key of a block that holds nothing cached: always evicted first.
 EMPTY_KEY = float("-inf")
+# The class of content released without a finished request to tell its document.
+UNKNOWN_CLASS = -1
 
 
 def logit(p: float) -> float:
@@ -100,20 +109,22 @@ class DocumentLivenessModel:
     request) or nothing yet. Tuning: ``refit_every`` releases between fits,
     ``em_iterations`` per fit, ``prior_weight`` of the coarser class in each estimate,
     ``hazard_bin`` releases per rate bin, ``max_count`` where the request count stops
-    splitting classes, ``max_depth`` where depths merge, ``max_states`` states kept.
+    splitting classes, ``max_depth_bits`` where depth classes merge, ``max_states``
+    states kept. ``num_fits`` counts the fits, so a caller can tell when estimates moved.
     """
 
-    def __init__(self, *, refit_every: int = 50, em_iterations: int = 4,
+    def __init__(self, *, refit_every: int = 25, em_iterations: int = 4,
                  prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
-                 max_depth: int = 3, max_states: int = 5_000,
+                 max_depth_bits: int = 12, max_states: int = 5_000,
                  initial_rate: float = 0.002) -> None:
         self.refit_every = refit_every
         self.em_iterations = em_iterations
         self.prior_weight = prior_weight
         self.hazard_bin = hazard_bin
         self.max_count = max_count
-        self.max_depth = max_depth
+        self.max_depth_bits = max_depth_bits
         self.max_states = max_states
+        self.num_fits = 0
         self.now = 0
         self.clock = 0.0  # H(now), advanced by the latest fitted rate at every tick
         self.rate = initial_rate
@@ -131,10 +142,10 @@ class DocumentLivenessModel:
         self._first_bin = 0
         self._bin_rates = [initial_rate]
         self._last_fit = 0
-        # Blocks at each depth from the end of a prompt, and how many the next request
-        # shared; starts at 1 of 2 (a uniform prior).
-        self._depth_shared = [1.0] * (max_depth + 1)
-        self._depth_seen = [2.0] * (max_depth + 1)
+        # Blocks per depth class (from the end of a prompt), and how many of them the
+        # next request shared; starts at 1 of 2 (a uniform prior).
+        self._depth_shared = [1.0] * (max_depth_bits + 1)
+        self._depth_seen = [2.0] * (max_depth_bits + 1)
 
     # -- classes ------------------------------------------------------------------------
 
@@ -189,27 +200,33 @@ class DocumentLivenessModel:
             self._last_fit = self.now
         return self._first_state_id + len(self._state_start) - 1
 
-    def continuation_probability(self, state_id: int) -> float:
-        """``p`` of the state's class: the chance its document gets another request."""
-        leaf = self._state_classes[state_id - self._first_state_id][2]
-        return self._leaf_p[leaf]
+    def finest_class(self, state_id: int) -> int:
+        """The id of the state's finest class (ids are never reused)."""
+        return self._state_classes[state_id - self._first_state_id][2]
+
+    def class_probability(self, finest_class: int) -> float:
+        """``p`` of a finest class: the chance its documents get another request."""
+        return self._leaf_p[finest_class]
+
+    def depth_class(self, blocks_from_end: int, block_size: int) -> int:
+        """The depth class of a block ``blocks_from_end`` blocks before a prompt's last
+        full block: the bit length of that distance in tokens, capped."""
+        return min((blocks_from_end * block_size).bit_length(), self.max_depth_bits)
 
     def observe_next_request(self, previous_hashes: list[BlockHash],
-                             new_hashes: list[BlockHash]) -> None:
-        """A document's next request came: count, per depth from the end of its previous
-        prompt, the blocks it shared."""
+                             new_hashes: list[BlockHash], block_size: int) -> None:
+        """A document's next request came: count, per depth class of its previous prompt's
+        blocks, the blocks it shared."""
         shared = set(new_hashes)
         last = len(previous_hashes) - 1
-        max_depth = self.max_depth
         for position, block_hash in enumerate(previous_hashes):
-            depth = min(last - position, max_depth)
+            depth = self.depth_class(last - position, block_size)
             self._depth_seen[depth] += 1
             if block_hash in shared:
                 self._depth_shared[depth] += 1
 
     def log_share_reached(self, depth: int) -> float:
-        """log r(depth): how often the next request shares a block this deep from the end."""
-        depth = min(depth, self.max_depth)
+        """log r(depth): how often the next request shares a block of this depth class."""
         return math.log(self._depth_shared[depth] / self._depth_seen[depth])
 
     # -- fitting --------------------------------------------------------------------------
@@ -287,6 +304,7 @@ class DocumentLivenessModel:
                      for j in range(num_bins)]
         self._leaf_p = leaf_p
         self.overall_p = overall
+        self.num_fits += 1
         self._first_bin = first_bin
         self._bin_rates = rates
         # The latest bin once it is at least half full, else the one before.
@@ -327,14 +345,20 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
         self.model = DocumentLivenessModel()
         self.max_documents = max_documents
         self._documents: OrderedDict[BlockHash, _Document] = OrderedDict()
+        # What each free cached block's key is made of, to re-key it after a refit:
+        # block id -> (finest class, or UNKNOWN_CLASS; H at release; depth class).
+        self._key_parts: dict[int, tuple[int, float, int]] = {}
+        self._num_fits_keyed = 0
         super().__init__(blocks)
 
     def key_for(self, block: KVCacheBlock) -> float:
         """A block released without a (finished) request: the key of an unknown document
         released now."""
         if block.block_hash is None:
+            self._key_parts.pop(block.block_id, None)
             return EMPTY_KEY
-        return logit(self.model.overall_p) + self.model.clock
+        parts = self._key_parts[block.block_id] = (UNKNOWN_CLASS, self.model.clock, 0)
+        return self._key(parts)
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         prompt_hashes = self._prompt_hashes(request)
@@ -342,25 +366,47 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
             self.append_n(blocks)
             return
         model = self.model
-        document = self._note_request(request, prompt_hashes)
-        base_key = logit(model.continuation_probability(document.state_id)) + model.clock
+        block_size = request.block_hasher.block_size
+        document = self._note_request(request, prompt_hashes, block_size)
+        if model.num_fits != self._num_fits_keyed:
+            self._num_fits_keyed = model.num_fits
+            self._recompute_keys(self._rekey)
+        finest_class = model.finest_class(document.state_id)
+        clock = model.clock
         last = len(prompt_hashes) - 1
-        depth_of = {block_hash: last - position
+        depth_of = {block_hash: model.depth_class(last - position, block_size)
                     for position, block_hash in enumerate(prompt_hashes)}
+        key_parts = self._key_parts
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
+                key_parts.pop(block.block_id, None)
                 self._push(block, EMPTY_KEY)
             else:
                 # Generated content beyond the prompt counts as its deepest block.
-                depth = depth_of.get(block_hash, 0)
-                self._push(block, base_key + model.log_share_reached(depth))
+                parts = key_parts[block.block_id] = (finest_class, clock,
+                                                     depth_of.get(block_hash, 0))
+                self._push(block, self._key(parts))
+
+    def _key(self, parts: tuple[int, float, int]) -> float:
+        """``logit(p) + H(release) + log r(depth)`` with the current estimates."""
+        finest_class, clock, depth = parts
+        model = self.model
+        if finest_class == UNKNOWN_CLASS:
+            return logit(model.overall_p) + clock
+        return (logit(model.class_probability(finest_class)) + clock
+                + model.log_share_reached(depth))
+
+    def _rekey(self, block: KVCacheBlock, key: float) -> float:
+        parts = self._key_parts.get(block.block_id)
+        return key if parts is None else self._key(parts)
 
     def forget_cached_content(self) -> None:
         # Every block is empty now: all go before any content cached from here on. What
         # was learned about documents stays true and is kept.
         blocks = self.get_all_free_blocks()
         self._heap, self._versions, self.num_free_blocks = [], {}, 0
+        self._key_parts.clear()
         self.append_n(blocks)
 
     def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
@@ -370,7 +416,8 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
         num_prompt_blocks = request.num_prompt_tokens // request.block_hasher.block_size
         return request.block_hashes[:num_prompt_blocks]
 
-    def _note_request(self, request: Request, prompt_hashes: list[BlockHash]) -> _Document:
+    def _note_request(self, request: Request, prompt_hashes: list[BlockHash],
+                      block_size: int) -> _Document:
         """Count a finished request on its document; returns the document."""
         documents = self._documents
         root = prompt_hashes[0]
@@ -384,7 +431,7 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
             documents.move_to_end(root)
             document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
             document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
-            self.model.observe_next_request(document.prompt_hashes, prompt_hashes)
+            self.model.observe_next_request(document.prompt_hashes, prompt_hashes, block_size)
         document.num_requests += 1
         document.prompt_hashes = prompt_hashes
         self.model.tick()

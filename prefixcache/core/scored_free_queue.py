@@ -14,7 +14,7 @@ compacted away once they outnumber the live ones.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -71,6 +71,14 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             if self._take_or_rekey(block):
                 return block
         raise ValueError("No free blocks available")
+
+    def _recompute_keys(self, new_key: Callable[[KVCacheBlock, Any], Any]) -> None:
+        """Give every free block the key ``new_key(block, old_key)``, keeping push order
+        for ties (for keys computed from estimates that have since been refitted). O(n)."""
+        entries = [(new_key(block, key), order, version, block)
+                   for key, order, version, block in self._live_entries()]
+        heapq.heapify(entries)
+        self._heap = entries
 
     def _live_entries(self) -> list[tuple[Any, int, int, KVCacheBlock]]:
         versions = self._versions

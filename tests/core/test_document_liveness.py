@@ -13,6 +13,7 @@ from prefixcache.core.document_liveness import (
     DocumentLivenessFreeBlockQueue,
     DocumentLivenessModel,
     _Document,
+    logit,
 )
 from prefixcache.core.request import RequestStatus
 from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
@@ -74,8 +75,8 @@ def simulate_documents(model: DocumentLivenessModel, rng: random.Random,
 def test_the_model_recovers_how_likely_each_kind_of_document_is_to_come_back():
     model = DocumentLivenessModel()
     first_states = simulate_documents(model, random.Random(0), {3: 0.85, 300: 0.2}, 400)
-    often = model.continuation_probability(first_states[3][-1])
-    rarely = model.continuation_probability(first_states[300][-1])
+    often = model.class_probability(model.finest_class(first_states[3][-1]))
+    rarely = model.class_probability(model.finest_class(first_states[300][-1]))
     assert 0.7 < often < 0.95
     assert 0.08 < rarely < 0.35
     assert len(model._state_start) == model.now  # one state per request
@@ -108,7 +109,8 @@ def test_a_question_block_goes_before_the_document_it_asks_about():
     # The second question shared every block of the first but its question: the model
     # learns that the last block of a prompt is rarely reached by the next request.
     model = queue_of(mgr).model
-    assert model.log_share_reached(0) < model.log_share_reached(1)
+    last_block, one_before = model.depth_class(0, BLOCK_SIZE), model.depth_class(1, BLOCK_SIZE)
+    assert model.log_share_reached(last_block) < model.log_share_reached(one_before)
     cached_order = [i for i in free_ids(mgr) if mgr.block_pool.blocks[i].block_hash]
     question_2, question_1 = second[-1], first[-1]
     document_blocks = second[:3]
@@ -142,6 +144,35 @@ def test_a_kind_of_document_that_never_comes_back_is_evicted_before_one_that_doe
     dropped_lru = run_request(lru, "long new", seq(95_000, 13), num_output_tokens=300)
     order = free_ids(lru)
     assert max(order.index(b) for b in kept_lru) < min(order.index(b) for b in dropped_lru)
+
+
+def test_depth_classes_are_token_distances_so_they_mean_the_same_at_any_block_size():
+    model = DocumentLivenessModel()
+    assert model.depth_class(0, 16) == model.depth_class(0, 512) == 0
+    assert model.depth_class(32, 16) == model.depth_class(1, 512) == (512).bit_length()
+    assert model.depth_class(1000, 16) == model.depth_class(4, 512) == model.max_depth_bits
+
+
+def test_free_blocks_are_rekeyed_when_the_estimates_are_refitted():
+    mgr = make_liveness_manager(num_blocks=2000)
+    queue = queue_of(mgr)
+    early = run_request(mgr, "early", seq(0, 13))  # released before any fit
+    model = queue.model
+    assert model.num_fits == 0
+
+    def key_of(block_id: int) -> float:
+        (key,) = [entry[0] for entry in queue._live_entries() if entry[3].block_id == block_id]
+        return key
+
+    key_at_release = key_of(early[0])
+    for i in range(model.refit_every):  # documents of the same kind that never come back
+        run_request(mgr, f"d{i}", seq(1000 * (i + 1), 13))
+    assert model.num_fits == 1
+    finest_class, clock, depth = queue._key_parts[early[0]]
+    refitted = (logit(model.class_probability(finest_class)) + clock
+                + model.log_share_reached(depth))
+    assert key_of(early[0]) == pytest.approx(refitted)
+    assert key_of(early[0]) < key_at_release  # its kind has proved not to come back
 
 
 def test_a_preempted_release_is_not_a_request():
