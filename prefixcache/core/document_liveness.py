@@ -336,13 +336,14 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
     """The ``document-liveness`` policy (module docstring): free blocks keyed by
     ``logit(p) + H(release) + log r(depth)``, lowest evicted first; blocks holding
     nothing cached first of all. ``max_documents`` bounds the documents remembered
-    (least recently asked about forgotten first)."""
+    (least recently asked about forgotten first); ``model`` is the estimator (default: a
+    :class:`DocumentLivenessModel` with its default knobs)."""
 
     policy_name = "document-liveness"
 
-    def __init__(self, blocks: Iterable[KVCacheBlock], *,
-                 max_documents: int = 100_000) -> None:
-        self.model = DocumentLivenessModel()
+    def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 100_000,
+                 model: DocumentLivenessModel | None = None) -> None:
+        self.model = model if model is not None else DocumentLivenessModel()
         self.max_documents = max_documents
         self._documents: OrderedDict[BlockHash, _Document] = OrderedDict()
         # What each free cached block's key is made of, to re-key it after a refit:
