@@ -44,9 +44,9 @@ released deepest first, and among equal keys the first released goes first. A pr
 request's release is not a request: its blocks get the key of an unknown document, and it
 counts when it finishes.
 
-What it costs: a heap (O(log n) per block released or evicted, instead of O(1)), and
-every 25 finished requests a refit over at most 5,000 states (plain Python, as the whole
-core: about 15 ms for 5,000 states) and a re-key of the free blocks (O(n)). On the
+What it costs: a heap of release groups (O(log groups) per group released or emptied),
+and every 25 finished requests a refit over at most 5,000 states (plain Python, as the
+whole core: about 15 ms for 5,000 states) and a re-key of the free groups. On the
 shared Mooncake trace it is the best online policy from 2,000 to 8,000 blocks of 512
 tokens, where Belady's lead over LRU is widest; ``learned-reuse`` does better at larger
 caches (docs/benchmarks.md). It assumes nothing about that trace beyond documents being
@@ -62,10 +62,8 @@ from collections.abc import Iterable
 from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
-from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
+from prefixcache.core.scored_free_queue import GroupedScoredFreeBlockQueue, KeyGroup
 
-# The key of a block that holds nothing cached: always evicted first.
-EMPTY_KEY = float("-inf")
 # The class of content released without a finished request to tell its document.
 UNKNOWN_CLASS = -1
 
@@ -332,11 +330,13 @@ class DocumentLivenessModel:
                                        key=lambda item: (item[0][0] != "first", item[0][1]))]
 
 
-class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
+class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
     """The ``document-liveness`` policy (module docstring): free blocks keyed by
     ``logit(p) + H(release) + log r(depth)``, lowest evicted first; blocks holding
-    nothing cached first of all. ``max_documents`` bounds the documents remembered
-    (least recently asked about forgotten first); ``model`` is the estimator (default: a
+    nothing cached first of all. The blocks one request releases at one depth class
+    share a key, so they form one group and a re-key costs one key per group.
+    ``max_documents`` bounds the documents remembered (least recently asked about
+    forgotten first); ``model`` is the estimator (default: a
     :class:`DocumentLivenessModel` with its default knobs)."""
 
     policy_name = "document-liveness"
@@ -346,20 +346,25 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
         self.model = model if model is not None else DocumentLivenessModel()
         self.max_documents = max_documents
         self._documents: OrderedDict[BlockHash, _Document] = OrderedDict()
-        # What each free cached block's key is made of, to re-key it after a refit:
-        # block id -> (finest class, or UNKNOWN_CLASS; H at release; depth class).
-        self._key_parts: dict[int, tuple[int, float, int]] = {}
         self._num_fits_keyed = 0
         super().__init__(blocks)
 
-    def key_for(self, block: KVCacheBlock) -> float:
-        """A block released without a (finished) request: the key of an unknown document
-        released now."""
+    def parts_for(self, block: KVCacheBlock) -> tuple[int, float, int] | None:
+        """A block released without a (finished) request: an unknown document's,
+        released now (empty blocks: None)."""
         if block.block_hash is None:
-            self._key_parts.pop(block.block_id, None)
-            return EMPTY_KEY
-        parts = self._key_parts[block.block_id] = (UNKNOWN_CLASS, self.model.clock, 0)
-        return self._key(parts)
+            return None
+        return UNKNOWN_CLASS, self.model.clock, 0
+
+    def key_of_parts(self, parts: tuple[int, float, int]) -> float:
+        """``logit(p) + H(release) + log r(depth)`` from the current estimates; parts are
+        (finest class or UNKNOWN_CLASS, H at release, depth class)."""
+        finest_class, clock, depth = parts
+        model = self.model
+        if finest_class == UNKNOWN_CLASS:
+            return logit(model.overall_p) + clock
+        return (logit(model.class_probability(finest_class)) + clock
+                + model.log_share_reached(depth))
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         prompt_hashes = self._prompt_hashes(request)
@@ -370,45 +375,31 @@ class DocumentLivenessFreeBlockQueue(ScoredFreeBlockQueue):
         block_size = request.block_hasher.block_size
         document = self._note_request(request, prompt_hashes, block_size)
         if model.num_fits != self._num_fits_keyed:
+            # Early estimates are poor; keys frozen at release would keep their errors.
             self._num_fits_keyed = model.num_fits
-            self._recompute_keys(self._rekey)
+            self._recompute_keys()
         finest_class = model.finest_class(document.state_id)
         clock = model.clock
         last = len(prompt_hashes) - 1
         depth_of = {block_hash: model.depth_class(last - position, block_size)
                     for position, block_hash in enumerate(prompt_hashes)}
-        key_parts = self._key_parts
+        groups: dict[int, KeyGroup] = {}  # by depth class
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
-                key_parts.pop(block.block_id, None)
-                self._push(block, EMPTY_KEY)
-            else:
-                # Generated content beyond the prompt counts as its deepest block.
-                parts = key_parts[block.block_id] = (finest_class, clock,
-                                                     depth_of.get(block_hash, 0))
-                self._push(block, self._key(parts))
-
-    def _key(self, parts: tuple[int, float, int]) -> float:
-        """``logit(p) + H(release) + log r(depth)`` with the current estimates."""
-        finest_class, clock, depth = parts
-        model = self.model
-        if finest_class == UNKNOWN_CLASS:
-            return logit(model.overall_p) + clock
-        return (logit(model.class_probability(finest_class)) + clock
-                + model.log_share_reached(depth))
-
-    def _rekey(self, block: KVCacheBlock, key: float) -> float:
-        parts = self._key_parts.get(block.block_id)
-        return key if parts is None else self._key(parts)
+                self._add_empty(block)
+                continue
+            # Generated content beyond the prompt counts as its deepest block.
+            depth = depth_of.get(block_hash, 0)
+            group = groups.get(depth)
+            if group is None:
+                group = groups[depth] = self._new_group((finest_class, clock, depth))
+            self._add_to_group(group, block)
 
     def forget_cached_content(self) -> None:
         # Every block is empty now: all go before any content cached from here on. What
         # was learned about documents stays true and is kept.
-        blocks = self.get_all_free_blocks()
-        self._heap, self._versions, self.num_free_blocks = [], {}, 0
-        self._key_parts.clear()
-        self.append_n(blocks)
+        self._empty_every_block()
 
     def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
         """The hashes of the request's full prompt blocks (not of generated tokens)."""

@@ -1,4 +1,4 @@
-"""A free queue ordered by a score per block instead of by position: a lazy min-heap.
+"""Free queues ordered by a score instead of by position: lazy min-heaps.
 
 The linked list of :class:`~prefixcache.core.block.FreeKVCacheBlockQueue` can only put a
 block at either end. A policy that ranks every free block by a computed value (Belady's
@@ -9,12 +9,18 @@ Removal (a cache hit on a free block) must stay cheap, so entries are never sear
 each block carries a version, odd while it is in the queue, and a heap entry whose version
 is not the block's current one is stale and skipped when it surfaces. Stale entries are
 compacted away once they outnumber the live ones.
+
+:class:`ScoredFreeBlockQueue` keys every block on its own. :class:`GroupedScoredFreeBlockQueue`
+keys *groups* of blocks that always share a key (say, the blocks one request released at
+one depth) and keeps each group's blocks in order: re-keying after the estimates behind
+the keys change then costs one key per group, not per block.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -72,14 +78,6 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
                 return block
         raise ValueError("No free blocks available")
 
-    def _recompute_keys(self, new_key: Callable[[KVCacheBlock, Any], Any]) -> None:
-        """Give every free block the key ``new_key(block, old_key)``, keeping push order
-        for ties (for keys computed from estimates that have since been refitted). O(n)."""
-        entries = [(new_key(block, key), order, version, block)
-                   for key, order, version, block in self._live_entries()]
-        heapq.heapify(entries)
-        self._heap = entries
-
     def _live_entries(self) -> list[tuple[Any, int, int, KVCacheBlock]]:
         versions = self._versions
         return [entry for entry in self._heap if versions.get(entry[3].block_id) == entry[2]]
@@ -130,3 +128,208 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
         """Every free block in eviction order by current keys (a subclass that re-keys on
         the way out may still reorder). O(n log n); for tests and tools."""
         return [entry[3] for entry in sorted(self._live_entries(), key=lambda e: e[:2])]
+
+
+class KeyGroup:
+    """Blocks that share one key, in eviction order, with the parts the key is computed
+    from. ``entries`` holds ``(block, version)`` from ``next_index`` on; an entry whose
+    version is no longer the block's is stale (the block was taken or hit)."""
+
+    __slots__ = ("parts", "key", "order", "heap_version", "entries", "next_index",
+                 "num_live")
+
+    def __init__(self, parts: Any, key: Any, order: int) -> None:
+        self.parts = parts
+        self.key = key
+        self.order = order
+        self.heap_version = 0
+        self.entries: list[tuple[KVCacheBlock, int]] = []
+        self.next_index = 0
+        self.num_live = 0
+
+
+class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
+    """Free blocks in groups that share a key; the group with the lowest key (then the
+    one made first) gives up its blocks first, in the order they joined it. Blocks that
+    hold nothing cached wait in a FIFO ahead of every group.
+
+    Subclasses compute keys from parts: :meth:`key_of_parts`, and :meth:`parts_for` for
+    blocks handed in without context (``append``, ``append_n``, ``prepend_n``, and
+    ``release`` unless overridden; None puts a block with the empty ones). They put
+    blocks in groups of their own with :meth:`_new_group` and :meth:`_add_to_group`, and
+    call :meth:`_recompute_keys` when the estimates behind the keys change (O(groups)).
+    Same contract as every free queue: it holds exactly the ``ref_cnt == 0`` blocks, each
+    once; ``prepend_n`` orders by key like the rest.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._versions: dict[int, int] = {}  # odd = in the queue
+        self._empty: deque[tuple[KVCacheBlock, int]] = deque()
+        self._group_of: dict[int, KeyGroup] = {}  # block id -> its group, while queued
+        self._live_groups: dict[int, KeyGroup] = {}  # by order, groups with a block
+        self._heap: list[tuple[Any, int, int, KeyGroup]] = []
+        self._num_groups_made = 0
+        super().__init__(blocks)
+
+    # -- what subclasses decide ----------------------------------------------------------
+
+    def key_of_parts(self, parts: Any) -> Any:
+        """The key of a group with these parts, from the current estimates."""
+        raise NotImplementedError
+
+    def parts_for(self, block: KVCacheBlock) -> Any:
+        """The key parts of ``block`` handed in without context; None: it is empty."""
+        raise NotImplementedError
+
+    # -- groups ---------------------------------------------------------------------------
+
+    def _new_group(self, parts: Any) -> KeyGroup:
+        self._num_groups_made += 1
+        return KeyGroup(parts, self.key_of_parts(parts), self._num_groups_made)
+
+    def _add_to_group(self, group: KeyGroup, block: KVCacheBlock) -> None:
+        version = self._take_version(block)
+        group.entries.append((block, version))
+        group.num_live += 1
+        self._group_of[block.block_id] = group
+        if group.num_live == 1:  # (again) in the running
+            self._live_groups[group.order] = group
+            group.heap_version += 1
+            heapq.heappush(self._heap, (group.key, group.order, group.heap_version, group))
+
+    def _add_empty(self, block: KVCacheBlock) -> None:
+        self._empty.append((block, self._take_version(block)))
+
+    def _take_version(self, block: KVCacheBlock) -> int:
+        version = self._versions.get(block.block_id, 0) + 1
+        self._versions[block.block_id] = version
+        self.num_free_blocks += 1
+        return version
+
+    def _recompute_keys(self) -> None:
+        """Give every group with free blocks its key from the current estimates."""
+        heap = []
+        for group in self._live_groups.values():
+            group.key = self.key_of_parts(group.parts)
+            group.heap_version += 1
+            heap.append((group.key, group.order, group.heap_version, group))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def _leave_group(self, block: KVCacheBlock) -> None:
+        group = self._group_of.pop(block.block_id, None)
+        if group is None:  # an empty block
+            return
+        group.num_live -= 1
+        if group.num_live == 0:
+            del self._live_groups[group.order]
+            group.entries.clear()
+            group.next_index = 0
+
+    def _pop_lowest(self) -> KVCacheBlock:
+        versions = self._versions
+        empty = self._empty
+        while empty:
+            block, version = empty.popleft()
+            if versions.get(block.block_id) == version:
+                versions[block.block_id] = version + 1
+                self.num_free_blocks -= 1
+                return block
+        heap = self._heap
+        while heap:
+            _, _, heap_version, group = heap[0]
+            if heap_version != group.heap_version or group.num_live == 0:
+                heapq.heappop(heap)
+                continue
+            entries = group.entries
+            while True:  # num_live > 0: a current entry is ahead
+                block, version = entries[group.next_index]
+                group.next_index += 1
+                if versions.get(block.block_id) == version:
+                    versions[block.block_id] = version + 1
+                    self.num_free_blocks -= 1
+                    self._leave_group(block)
+                    return block
+        raise ValueError("No free blocks available")
+
+    # -- the free-queue contract -----------------------------------------------------------
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks == 0:
+            raise ValueError("No free blocks available")
+        return self._pop_lowest()
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n <= 0:
+            return self._popleft_none(n)
+        if n > self.num_free_blocks:
+            raise ValueError(
+                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
+            )
+        return [self._pop_lowest() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        versions = self._versions
+        version = versions.get(block.block_id)
+        if version is None or version % 2 == 0:
+            raise RuntimeError(f"block {block.block_id} is not in the free queue")
+        versions[block.block_id] = version + 1
+        self.num_free_blocks -= 1
+        self._leave_group(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Empty blocks join the FIFO; the others one new group per distinct parts."""
+        groups: dict[Any, KeyGroup] = {}
+        for block in blocks:
+            parts = self.parts_for(block)
+            if parts is None:
+                self._add_empty(block)
+                continue
+            group = groups.get(parts)
+            if group is None:
+                group = groups[parts] = self._new_group(parts)
+            self._add_to_group(group, block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        self.append_n(blocks)  # the order is the keys', whatever the caller asks
+
+    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
+        self.append_n(blocks)
+
+    def _current_entries(self, entries) -> list[KVCacheBlock]:
+        versions = self._versions
+        return [block for block, version in entries
+                if versions.get(block.block_id) == version]
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block in eviction order. O(n + groups log groups); for tests and
+        tools."""
+        blocks = self._current_entries(self._empty)
+        for group in sorted(self._live_groups.values(), key=lambda g: (g.key, g.order)):
+            blocks += self._current_entries(group.entries[group.next_index:])
+        return blocks
+
+    def free_block_keys(self) -> dict[int, Any]:
+        """Each free block's current key (None for the empty ones); for tests and tools."""
+        keys: dict[int, Any] = {block.block_id: None
+                                for block in self._current_entries(self._empty)}
+        for group in self._live_groups.values():
+            for block in self._current_entries(group.entries[group.next_index:]):
+                keys[block.block_id] = group.key
+        return keys
+
+    def _empty_every_block(self) -> None:
+        """Move every free block, in eviction order, to the empty FIFO (their content was
+        just dropped), forgetting every group."""
+        blocks = self.get_all_free_blocks()
+        self._versions.clear()
+        self._empty.clear()
+        self._group_of.clear()
+        self._live_groups.clear()
+        self._heap = []
+        self.num_free_blocks = 0
+        for block in blocks:
+            self._add_empty(block)

@@ -9,7 +9,6 @@ import pytest
 
 from prefixcache.core import Request
 from prefixcache.core.document_liveness import (
-    EMPTY_KEY,
     DocumentLivenessFreeBlockQueue,
     DocumentLivenessModel,
     _Document,
@@ -160,19 +159,16 @@ def test_free_blocks_are_rekeyed_when_the_estimates_are_refitted():
     model = queue.model
     assert model.num_fits == 0
 
-    def key_of(block_id: int) -> float:
-        (key,) = [entry[0] for entry in queue._live_entries() if entry[3].block_id == block_id]
-        return key
-
-    key_at_release = key_of(early[0])
+    key_at_release = queue.free_block_keys()[early[0]]
     for i in range(model.refit_every):  # documents of the same kind that never come back
         run_request(mgr, f"d{i}", seq(1000 * (i + 1), 13))
     assert model.num_fits == 1
-    finest_class, clock, depth = queue._key_parts[early[0]]
+    finest_class, clock, depth = queue._group_of[early[0]].parts
     refitted = (logit(model.class_probability(finest_class)) + clock
                 + model.log_share_reached(depth))
-    assert key_of(early[0]) == pytest.approx(refitted)
-    assert key_of(early[0]) < key_at_release  # its kind has proved not to come back
+    key_now = queue.free_block_keys()[early[0]]
+    assert key_now == pytest.approx(refitted)
+    assert key_now < key_at_release  # its kind has proved not to come back
 
 
 def test_a_preempted_release_is_not_a_request():
@@ -188,13 +184,14 @@ def test_empty_blocks_always_come_first_and_a_reset_empties_every_key():
     mgr = make_liveness_manager(num_blocks=20)
     run_request(mgr, "a", seq(0, 9))  # 2 cached blocks, a partial one
     queue = queue_of(mgr)
-    keys = {entry[3].block_id: entry[0] for entry in queue._live_entries()}
+    keys = queue.free_block_keys()
     cached = [i for i in free_ids(mgr) if mgr.block_pool.blocks[i].block_hash is not None]
     assert len(cached) == 2 and free_ids(mgr)[-2:] == cached
-    assert all(keys[i] > EMPTY_KEY for i in cached)
+    assert all(keys[i] is not None for i in cached)
+    assert sum(key is None for key in keys.values()) == 18
     assert mgr.reset_prefix_cache()
-    assert all(entry[0] == EMPTY_KEY for entry in queue._live_entries())
-    assert queue.num_free_blocks == 20
+    assert all(key is None for key in queue.free_block_keys().values())
+    assert queue.num_free_blocks == 20 and free_ids(mgr)[-2:] == cached
 
 
 @pytest.mark.parametrize("max_states", [8, 20_000])

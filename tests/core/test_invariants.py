@@ -25,7 +25,10 @@ from prefixcache.core import (
 )
 from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
 from prefixcache.core.request import RequestStatus
-from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
+from prefixcache.core.scored_free_queue import (
+    GroupedScoredFreeBlockQueue,
+    ScoredFreeBlockQueue,
+)
 from tests.core.helpers import snapshot
 
 BLOCK_SIZE = 4
@@ -209,22 +212,21 @@ class ManagerMachine(RuleBasedStateMachine):
             assert_links_agree(queue.upper, upper)
             for block in pool.blocks:
                 assert queue.in_upper[block.block_id] == (block in upper)
-        elif isinstance(queue, ScoredFreeBlockQueue):
-            # A heap: the entries still current are the free blocks, each exactly once,
-            # and only free blocks carry the "in the queue" (odd) version.
-            current = [entry[3] for entry in queue._heap
-                       if queue._versions.get(entry[3].block_id) == entry[2]]
-            assert sorted(b.block_id for b in current) == sorted(free_ids)
+        elif isinstance(queue, (ScoredFreeBlockQueue, GroupedScoredFreeBlockQueue)):
+            # A heap: only free blocks carry the "in the queue" (odd) version.
             for block in pool.blocks:
                 in_queue = queue._versions.get(block.block_id, 0) % 2 == 1
                 assert in_queue == (block.block_id in free_ids)
-            # Nothing cached is kept while an empty block could be used instead.
-            keys = {entry[3].block_id: entry[0] for entry in queue._heap
-                    if queue._versions.get(entry[3].block_id) == entry[2]}
-            empty_keys = [keys[b.block_id] for b in free if b.block_hash is None]
-            cached_keys = [keys[b.block_id] for b in free if b.block_hash is not None]
-            if empty_keys and cached_keys:
-                assert max(empty_keys) < min(cached_keys)
+            if isinstance(queue, GroupedScoredFreeBlockQueue):
+                # Empty blocks (no key) all come before any cached one.
+                keys = queue.free_block_keys()
+                assert sorted(keys) == sorted(free_ids)
+                empty = [keys[b.block_id] is None for b in free]
+                assert empty == sorted(empty, reverse=True)
+                assert all((b.block_hash is None) == (keys[b.block_id] is None)
+                           for b in free)
+                groups = queue._live_groups.values()
+                assert sum(group.num_live for group in groups) == len(free) - sum(empty)
         else:
             assert_links_agree(queue, free)
 
