@@ -76,12 +76,8 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the first ``n`` blocks, head first. Raises ValueError, removing
         nothing, if ``n`` is negative or fewer than ``n`` are free."""
-        if n <= 0:
-            return self._popleft_none(n)
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
+        if not self._can_take(n):
+            return []
         head = self.fake_free_list_head
         block = head.next_free_block
         popped = [None] * n
@@ -95,13 +91,16 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= n
         return popped
 
-    @staticmethod
-    def _popleft_none(n: int) -> list[KVCacheBlock]:
-        """``popleft_n``'s answer for ``n <= 0``: no blocks, or ValueError when negative
-        (taking a negative count would corrupt ``num_free_blocks``)."""
+    def _can_take(self, n: int) -> bool:
+        """``popleft_n``'s checks, for every queue: ValueError if ``n`` is negative (it
+        would corrupt ``num_free_blocks``) or more than are free; False for 0."""
         if n < 0:
             raise ValueError(f"cannot take a negative number of blocks ({n})")
-        return []
+        if n > self.num_free_blocks:
+            raise ValueError(
+                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
+            )
+        return n > 0
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from anywhere in the queue."""

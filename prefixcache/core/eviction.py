@@ -100,12 +100,8 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         """``block`` leaves the queue because a request hit its cached content."""
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n <= 0:
-            return self._popleft_none(n)
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
+        if not self._can_take(n):
+            return []
         from_lower = min(n, self.num_lower)
         popped = super().popleft_n(from_lower)
         self.num_lower -= from_lower

@@ -26,7 +26,62 @@ from typing import Any
 from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
-class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
+class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
+    """What the key-ordered queues share: per-block versions (odd while queued) for O(1)
+    removal, and the contract's methods around the subclass's :meth:`_pop_lowest`."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._versions: dict[int, int] = {}
+        super().__init__(blocks)
+
+    def _pop_lowest(self) -> KVCacheBlock:
+        """Take the next block to evict (there is one)."""
+        raise NotImplementedError
+
+    def _on_removed(self, block: KVCacheBlock) -> None:
+        """``block`` was just removed from the middle of the queue (a hit)."""
+
+    def _enter(self, block: KVCacheBlock) -> int:
+        """Count ``block`` in; returns its new (odd) version."""
+        version = self._versions.get(block.block_id, 0) + 1
+        self._versions[block.block_id] = version
+        self.num_free_blocks += 1
+        return version
+
+    def _leave_if_current(self, block: KVCacheBlock, version: int) -> bool:
+        """If ``version`` is ``block``'s current one, count it out and return True; False
+        for a stale entry."""
+        if self._versions.get(block.block_id) != version:
+            return False
+        self._versions[block.block_id] = version + 1
+        self.num_free_blocks -= 1
+        return True
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks == 0:
+            raise ValueError("No free blocks available")
+        return self._pop_lowest()
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if not self._can_take(n):
+            return []
+        return [self._pop_lowest() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        version = self._versions.get(block.block_id)
+        if version is None or version % 2 == 0:
+            raise RuntimeError(f"block {block.block_id} is not in the free queue")
+        self._leave_if_current(block, version)
+        self._on_removed(block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        self.append_n(blocks)  # the order is the keys', whatever the caller asks
+
+    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
+        self.append_n(blocks)
+
+
+class ScoredFreeBlockQueue(VersionedFreeBlockQueue):
     """Free blocks in a min-heap on ``(key, push order)``: the lowest key is evicted first,
     and among equal keys the block pushed first.
 
@@ -39,9 +94,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        # (key, push order, version, block); version odd = in the queue.
+        # (key, push order, version, block)
         self._heap: list[tuple[Any, int, int, KVCacheBlock]] = []
-        self._versions: dict[int, int] = {}
         self._num_pushed = 0
         super().__init__(blocks)
 
@@ -59,22 +113,16 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
     # -- the heap ------------------------------------------------------------------------
 
     def _push(self, block: KVCacheBlock, key: Any) -> None:
-        version = self._versions.get(block.block_id, 0) + 1
-        self._versions[block.block_id] = version
+        version = self._enter(block)
         self._num_pushed += 1
         heapq.heappush(self._heap, (key, self._num_pushed, version, block))
-        self.num_free_blocks += 1
 
     def _pop_lowest(self) -> KVCacheBlock:
         heap = self._heap
-        versions = self._versions
         while heap:
             _, _, version, block = heapq.heappop(heap)
-            if versions.get(block.block_id) != version:
-                continue  # removed (hit) or pushed again since
-            versions[block.block_id] = version + 1
-            self.num_free_blocks -= 1
-            if self._take_or_rekey(block):
+            # A stale entry was removed (hit) or pushed again since.
+            if self._leave_if_current(block, version) and self._take_or_rekey(block):
                 return block
         raise ValueError("No free blocks available")
 
@@ -84,27 +132,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
 
     # -- the free-queue contract -----------------------------------------------------------
 
-    def popleft(self) -> KVCacheBlock:
-        if self.num_free_blocks == 0:
-            raise ValueError("No free blocks available")
-        return self._pop_lowest()
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n <= 0:
-            return self._popleft_none(n)
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
-        return [self._pop_lowest() for _ in range(n)]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        versions = self._versions
-        version = versions.get(block.block_id)
-        if version is None or version % 2 == 0:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
-        versions[block.block_id] = version + 1
-        self.num_free_blocks -= 1
+    def _on_removed(self, block: KVCacheBlock) -> None:
         if len(self._heap) > 2 * self.num_free_blocks + 1024:
             # Hits leave stale entries behind; without this the heap would grow with every
             # hit for as long as the blocks stay free.
@@ -117,12 +145,6 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue):
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             self._push(block, self.key_for(block))
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        self.append_n(blocks)  # the order is the keys', whatever the caller asks
-
-    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
-        self.append_n(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block in eviction order by current keys (a subclass that re-keys on
@@ -148,7 +170,7 @@ class KeyGroup:
         self.num_live = 0
 
 
-class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
+class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
     """Free blocks in groups that share a key; the group with the lowest key (then the
     one made first) gives up its blocks first, in the order they joined it. Blocks that
     hold nothing cached wait in a FIFO ahead of every group.
@@ -163,7 +185,6 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
     """
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._versions: dict[int, int] = {}  # odd = in the queue
         self._empty: deque[tuple[KVCacheBlock, int]] = deque()
         self._group_of: dict[int, KeyGroup] = {}  # block id -> its group, while queued
         self._live_groups: dict[int, KeyGroup] = {}  # by order, groups with a block
@@ -188,8 +209,7 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
         return KeyGroup(parts, self.key_of_parts(parts), self._num_groups_made)
 
     def _add_to_group(self, group: KeyGroup, block: KVCacheBlock) -> None:
-        version = self._take_version(block)
-        group.entries.append((block, version))
+        group.entries.append((block, self._enter(block)))
         group.num_live += 1
         self._group_of[block.block_id] = group
         if group.num_live == 1:  # (again) in the running
@@ -198,13 +218,7 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             heapq.heappush(self._heap, (group.key, group.order, group.heap_version, group))
 
     def _add_empty(self, block: KVCacheBlock) -> None:
-        self._empty.append((block, self._take_version(block)))
-
-    def _take_version(self, block: KVCacheBlock) -> int:
-        version = self._versions.get(block.block_id, 0) + 1
-        self._versions[block.block_id] = version
-        self.num_free_blocks += 1
-        return version
+        self._empty.append((block, self._enter(block)))
 
     def _recompute_keys(self) -> None:
         """Give every group with free blocks its key from the current estimates."""
@@ -215,6 +229,9 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             heap.append((group.key, group.order, group.heap_version, group))
         heapq.heapify(heap)
         self._heap = heap
+
+    def _on_removed(self, block: KVCacheBlock) -> None:
+        self._leave_group(block)
 
     def _leave_group(self, block: KVCacheBlock) -> None:
         group = self._group_of.pop(block.block_id, None)
@@ -227,13 +244,10 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             group.next_index = 0
 
     def _pop_lowest(self) -> KVCacheBlock:
-        versions = self._versions
         empty = self._empty
         while empty:
             block, version = empty.popleft()
-            if versions.get(block.block_id) == version:
-                versions[block.block_id] = version + 1
-                self.num_free_blocks -= 1
+            if self._leave_if_current(block, version):
                 return block
         heap = self._heap
         while heap:
@@ -245,37 +259,12 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             while True:  # num_live > 0: a current entry is ahead
                 block, version = entries[group.next_index]
                 group.next_index += 1
-                if versions.get(block.block_id) == version:
-                    versions[block.block_id] = version + 1
-                    self.num_free_blocks -= 1
+                if self._leave_if_current(block, version):
                     self._leave_group(block)
                     return block
         raise ValueError("No free blocks available")
 
     # -- the free-queue contract -----------------------------------------------------------
-
-    def popleft(self) -> KVCacheBlock:
-        if self.num_free_blocks == 0:
-            raise ValueError("No free blocks available")
-        return self._pop_lowest()
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n <= 0:
-            return self._popleft_none(n)
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"No free blocks available: asked for {n}, {self.num_free_blocks} free"
-            )
-        return [self._pop_lowest() for _ in range(n)]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        versions = self._versions
-        version = versions.get(block.block_id)
-        if version is None or version % 2 == 0:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
-        versions[block.block_id] = version + 1
-        self.num_free_blocks -= 1
-        self._leave_group(block)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -292,12 +281,6 @@ class GroupedScoredFreeBlockQueue(FreeKVCacheBlockQueue):
             if group is None:
                 group = groups[parts] = self._new_group(parts)
             self._add_to_group(group, block)
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        self.append_n(blocks)  # the order is the keys', whatever the caller asks
-
-    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
-        self.append_n(blocks)
 
     def _current_entries(self, entries) -> list[KVCacheBlock]:
         versions = self._versions
