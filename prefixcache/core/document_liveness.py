@@ -36,8 +36,9 @@ The policy models exactly that, online, from what the cache sees:
   first silences cannot yet tell "dead" from "asked rarely" — and keys frozen at release
   would keep those errors in the ranking for as long as the blocks stay cached. The fit
   covers at most the last 5,000 states (cut back to the last 2,500 when full), and at
-  most 100,000 documents are remembered, so memory and fitting time stay bounded however
-  long the engine runs.
+  most 20,000 documents are remembered, each with the hashes of its latest prompt's last
+  64 blocks only, so memory (a few tens of MB at most) and fitting time stay bounded
+  however long the engine runs.
 
 Blocks holding no cached content go first, as in ``unhashed-first``. A request's blocks are
 released deepest first, and among equal keys the first released goes first. A preempted
@@ -84,11 +85,17 @@ def cumulative_rate(offset: int, rates: list[float], at_bin_start: list[float],
     return at_bin_start[j] + rates[j] * (offset - j * width)
 
 
+# Hashes of a document's latest prompt kept to see what its next request shares: the
+# last ones only (the question is at the end), so memory per document stays small.
+KEPT_TAIL_HASHES = 64
+
+
 class _Document:
     """What the policy remembers of one document."""
 
     __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
-                 "min_prompt_tokens", "max_prompt_tokens", "state_id", "prompt_hashes")
+                 "min_prompt_tokens", "max_prompt_tokens", "state_id",
+                 "num_prompt_blocks", "prompt_tail_hashes")
 
     def __init__(self, prompt_tokens: int, output_tokens: int) -> None:
         self.num_requests = 0
@@ -96,7 +103,9 @@ class _Document:
         self.first_prompt_tokens = prompt_tokens
         self.min_prompt_tokens = self.max_prompt_tokens = prompt_tokens
         self.state_id = -1  # its latest state in the model; -1 before the first request
-        self.prompt_hashes: list[BlockHash] = []  # of its latest request
+        # Its latest prompt: how many full blocks, and the hashes of the last of them.
+        self.num_prompt_blocks = 0
+        self.prompt_tail_hashes: list[BlockHash] = []
 
 
 class DocumentLivenessModel:
@@ -116,6 +125,17 @@ class DocumentLivenessModel:
                  prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
                  max_depth_bits: int = 12, max_states: int = 5_000,
                  initial_rate: float = 0.002) -> None:
+        for name, value, smallest in (("refit_every", refit_every, 1),
+                                      ("em_iterations", em_iterations, 1),
+                                      ("hazard_bin", hazard_bin, 1),
+                                      ("max_count", max_count, 1),
+                                      ("max_depth_bits", max_depth_bits, 0),
+                                      ("max_states", max_states, 2)):
+            if not isinstance(value, int) or value < smallest:
+                raise ValueError(f"{name} must be an integer >= {smallest}, got {value!r}")
+        for name, value in (("prior_weight", prior_weight), ("initial_rate", initial_rate)):
+            if not value > 0 or math.isinf(value):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         self.refit_every = refit_every
         self.em_iterations = em_iterations
         self.prior_weight = prior_weight
@@ -212,16 +232,25 @@ class DocumentLivenessModel:
         full block: the bit length of that distance in tokens, capped."""
         return min((blocks_from_end * block_size).bit_length(), self.max_depth_bits)
 
-    def observe_next_request(self, previous_hashes: list[BlockHash],
+    def observe_next_request(self, previous_num_blocks: int,
+                             previous_tail_hashes: list[BlockHash],
                              new_hashes: list[BlockHash], block_size: int) -> None:
-        """A document's next request came: count, per depth class of its previous prompt's
-        blocks, the blocks it shared."""
+        """A document's next request came: count, per depth class of its previous
+        prompt's ``previous_num_blocks`` blocks (of which the hashes of the last ones are
+        given), the blocks it shared.
+
+        Hashes chain, so what two prompts share is a common prefix: a block before the
+        given tail is shared exactly when the tail's first block is — unless the prompts
+        part inside that deep stretch, which then counts as not shared."""
         shared = set(new_hashes)
-        last = len(previous_hashes) - 1
-        for position, block_hash in enumerate(previous_hashes):
+        last = previous_num_blocks - 1
+        tail_start = previous_num_blocks - len(previous_tail_hashes)
+        deep_is_shared = bool(previous_tail_hashes) and previous_tail_hashes[0] in shared
+        for position in range(previous_num_blocks):
             depth = self.depth_class(last - position, block_size)
             self._depth_seen[depth] += 1
-            if block_hash in shared:
+            if (previous_tail_hashes[position - tail_start] in shared
+                    if position >= tail_start else deep_is_shared):
                 self._depth_shared[depth] += 1
 
     def log_share_reached(self, depth: int) -> float:
@@ -342,7 +371,7 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
 
     policy_name = "document-liveness"
 
-    def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 100_000,
+    def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 20_000,
                  model: DocumentLivenessModel | None = None) -> None:
         self.model = model if model is not None else DocumentLivenessModel()
         self.max_documents = max_documents
@@ -424,9 +453,12 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
             documents.move_to_end(root)
             document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
             document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
-            self.model.observe_next_request(document.prompt_hashes, prompt_hashes, block_size)
+            self.model.observe_next_request(document.num_prompt_blocks,
+                                            document.prompt_tail_hashes, prompt_hashes,
+                                            block_size)
         document.num_requests += 1
-        document.prompt_hashes = prompt_hashes
+        document.num_prompt_blocks = len(prompt_hashes)
+        document.prompt_tail_hashes = prompt_hashes[-KEPT_TAIL_HASHES:]
         self.model.tick()
         document.state_id = self.model.new_state(document)
         return document

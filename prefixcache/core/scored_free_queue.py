@@ -306,13 +306,15 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
 
     def _empty_every_block(self) -> None:
         """Move every free block, in eviction order, to the empty FIFO (their content was
-        just dropped), forgetting every group."""
+        just dropped). Every group is left empty, so a subclass may still add to one."""
         blocks = self.get_all_free_blocks()
-        self._versions.clear()
-        self._empty.clear()
-        self._group_of.clear()
+        for group in self._live_groups.values():
+            group.entries.clear()
+            group.next_index = group.num_live = 0
         self._live_groups.clear()
+        self._group_of.clear()
         self._heap = []
-        self.num_free_blocks = 0
-        for block in blocks:
+        self._empty.clear()
+        for block in blocks:  # out, then back in with a fresh version
+            self._leave_if_current(block, self._versions[block.block_id])
             self._add_empty(block)

@@ -7,14 +7,16 @@ import random
 
 import pytest
 
-from prefixcache.core import Request
+from prefixcache.core import KVCacheBlock, Request
 from prefixcache.core.document_liveness import (
+    KEPT_TAIL_HASHES,
     DocumentLivenessFreeBlockQueue,
     DocumentLivenessModel,
     _Document,
     logit,
 )
 from prefixcache.core.request import RequestStatus
+from prefixcache.core.scored_free_queue import GroupedScoredFreeBlockQueue
 from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
 
 BLOCK_SIZE = 4
@@ -211,3 +213,59 @@ def test_random_workloads_keep_the_queue_exact(max_states):
         free = queue.get_all_free_blocks()
         assert len(free) == queue.num_free_blocks == 24
         assert len({b.block_id for b in free}) == 24
+
+
+def test_a_group_kept_across_a_reset_can_take_blocks_again():
+    class OneGroupQueue(GroupedScoredFreeBlockQueue):
+        def key_of_parts(self, parts):
+            return parts
+
+        def parts_for(self, block):
+            return None if block.block_hash is None else 0
+
+    blocks = [KVCacheBlock(i) for i in range(2)]
+    queue = OneGroupQueue(blocks)
+    a, b = queue.popleft_n(2)
+    group = queue._new_group(0)
+    a.block_hash = b"a"
+    queue._add_to_group(group, a)
+    queue.append_n([b])
+    a.block_hash = None
+    queue._empty_every_block()  # a reset: both empty now, in the same order
+    assert queue.get_all_free_blocks() == [b, a]
+    taken = queue.popleft_n(2)
+    a.block_hash = b"a"
+    queue._add_to_group(group, a)
+    assert queue.num_free_blocks == 1 and group.num_live == 1
+    assert queue.popleft() is a
+    assert taken == [b, a]
+
+
+def test_a_document_keeps_only_its_prompts_last_hashes_yet_counts_every_block():
+    mgr = make_liveness_manager(num_blocks=2000)
+    queue = queue_of(mgr)
+    document = seq(0, 4 * (KEPT_TAIL_HASHES + 20))  # a prompt longer than the kept tail
+    run_request(mgr, "q1", document + seq(90_000, 4) + [1])
+    (kept,) = queue._documents.values()
+    assert kept.num_prompt_blocks == KEPT_TAIL_HASHES + 21
+    assert len(kept.prompt_tail_hashes) == KEPT_TAIL_HASHES
+    model = queue.model
+    seen_before = list(model._depth_seen)
+    shared_before = list(model._depth_shared)
+    run_request(mgr, "q2", document + seq(91_000, 4) + [2])
+    seen = [after - before for after, before in zip(model._depth_seen, seen_before, strict=True)]
+    shared = [after - before for after, before in zip(model._depth_shared, shared_before,
+                                                                   strict=True)]
+    # Every block of the first prompt counted; all but its question shared, the deep
+    # ones (before the kept tail) too, since the tail's first block is.
+    assert sum(seen) == KEPT_TAIL_HASHES + 21
+    assert sum(shared) == KEPT_TAIL_HASHES + 20
+    assert shared[0] == 0 and seen[0] == 1
+
+
+@pytest.mark.parametrize("knobs", [{"max_states": 1}, {"prior_weight": 0.0},
+                                   {"refit_every": 0}, {"initial_rate": float("nan")},
+                                   {"hazard_bin": 2.5}])
+def test_unusable_model_knobs_are_refused(knobs):
+    with pytest.raises(ValueError, match=next(iter(knobs))):
+        DocumentLivenessModel(**knobs)
