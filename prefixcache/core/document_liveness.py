@@ -37,7 +37,7 @@ The policy models exactly that, online, from what the cache sees:
   would keep those errors in the ranking for as long as the blocks stay cached. The fit
   covers at most the last 5,000 states (cut back to the last 2,500 when full), and at
   most 20,000 documents are remembered, each with the hashes of its latest prompt's last
-  64 blocks only, so memory (a few tens of MB at most) and fitting time stay bounded
+  64 blocks only, so memory (under 100 MB at worst) and fitting time stay bounded
   however long the engine runs.
 
 Blocks holding no cached content go first, as in ``unhashed-first``. A request's blocks are
