@@ -24,14 +24,19 @@ def small_trace(tmp_path):
     return path
 
 
-def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, capsys):
+def replay_to_json(trace, tmp_path, num_blocks: int, policies: str) -> dict:
+    """Run ``prefixcache replay`` quietly at block size 512; returns its JSON output."""
     out = tmp_path / "out.json"
-    code = main(["replay", str(small_trace), "--num-blocks", "2000", "--block-size", "512",
-                 "--policy", "lru,2q", "--json", str(out), "--quiet"])
+    code = main(["replay", str(trace), "--num-blocks", str(num_blocks), "--block-size",
+                 "512", "--policy", policies, "--json", str(out), "--quiet"])
     assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, capsys):
+    payload = replay_to_json(small_trace, tmp_path, 2000, "lru,2q")
     text = capsys.readouterr().out
     assert "token hit rate" in text and "2q" in text and "not admitted" in text
-    payload = json.loads(out.read_text())
     assert payload["num_requests"] == 200 and payload["block_size"] == 512
     runs = payload["runs"]
     assert [r["policy"] for r in runs] == ["lru", "2q"]
@@ -44,25 +49,18 @@ def test_single_replay_prints_a_table_and_writes_json(small_trace, tmp_path, cap
 
 def test_online_stands_for_every_online_policy_in_order_without_repeats(small_trace,
                                                                          tmp_path):
-    out = tmp_path / "out.json"
-    code = main(["replay", str(small_trace), "--num-blocks", "500", "--block-size", "512",
-                 "--policy", "2q,online,belady", "--json", str(out), "--quiet"])
-    assert code == 0
-    policies = [run["policy"] for run in json.loads(out.read_text())["runs"]]
+    runs = replay_to_json(small_trace, tmp_path, 500, "2q,online,belady")["runs"]
+    policies = [run["policy"] for run in runs]
     assert policies == ["2q", "lru", "unhashed-first", "learned-reuse", "document-liveness",
                         "belady"]
     assert set(policies) == {*EVICTION_POLICIES, "belady"}
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):
-    out = tmp_path / "out.json"
-    code = main(["replay", str(small_trace), "--num-blocks", "1000", "--block-size", "512",
-                 "--policy", "lru,learned-reuse", "--json", str(out), "--quiet"])
-    assert code == 0
+    lru, learned = replay_to_json(small_trace, tmp_path, 1000, "lru,learned-reuse")["runs"]
     text = capsys.readouterr().out
     assert "learned-reuse: new content by tokens generated" in text
     assert text.count("evicted first") == 1  # only the learned-reuse run has a table
-    lru, learned = json.loads(out.read_text())["runs"]
     assert lru["policy_state"] is None
     rows = learned["policy_state"]["signatures"]
     assert rows and all(0 <= row["reused"] <= row["inserted"] for row in rows)
@@ -76,13 +74,9 @@ def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsy
 
 
 def test_document_liveness_replay_shows_its_model(small_trace, tmp_path, capsys):
-    out = tmp_path / "out.json"
-    code = main(["replay", str(small_trace), "--num-blocks", "1000", "--block-size", "512",
-                 "--policy", "document-liveness", "--json", str(out), "--quiet"])
-    assert code == 0
+    (run,) = replay_to_json(small_trace, tmp_path, 1000, "document-liveness")["runs"]
     text = capsys.readouterr().out
     assert "document-liveness: chance a document is asked about again" in text
-    (run,) = json.loads(out.read_text())["runs"]
     state = run["policy_state"]
     rows = state["classes"]
     assert [row["class"][0] for row in rows] == sorted((row["class"][0] for row in rows),
