@@ -7,9 +7,11 @@ the msgpack ``KVEventBatch`` (see ``wire``).
 
 Replay (optional ROUTER socket): a client (REQ, or DEALER sending an empty delimiter first)
 sends the first sequence number it wants as 8 bytes big-endian. The publisher answers with
-one ``(seq, payload)`` message per buffered batch whose sequence number is at least that,
-oldest first, then ``(-1 as 8 signed big-endian bytes, b"")`` to mark the end. Only the
-last ``buffer_steps`` batches are kept.
+one ``(topic, seq, payload)`` message per buffered batch whose sequence number is at least
+that, oldest first, then ``(topic, -1 as 8 signed big-endian bytes, b"")`` to mark the end:
+the live message's three frames behind the envelope, as vLLM's publisher sends them and
+vllm-router's replay client requires (it reads the sequence number from the next-to-last
+frame and drops shorter answers). Only the last ``buffer_steps`` batches are kept.
 
 The engine loop never waits on the network: ``publish`` stamps the batch, gives it its
 sequence number and appends it to a bounded in-memory queue; a background thread converts,
@@ -287,11 +289,12 @@ class ZmqEventPublisher(EventPublisher):
             client_id, _, start_frame = frames
             start_seq = int.from_bytes(start_frame, "big")
             self.num_replay_requests += 1
+            topic = self._topic
             for seq, payload in self._replay_buffer:
                 if seq >= start_seq:
-                    replay.send_multipart((client_id, b"", seq_to_bytes(seq), payload),
+                    replay.send_multipart((client_id, b"", topic, seq_to_bytes(seq), payload),
                                           copy=False)
-            replay.send_multipart((client_id, b"", END_OF_REPLAY, b""))
+            replay.send_multipart((client_id, b"", topic, END_OF_REPLAY, b""))
 
 
 def make_event_publisher(endpoint: str | None, **kwargs) -> EventPublisher:

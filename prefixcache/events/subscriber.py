@@ -145,14 +145,16 @@ class EventSubscriber:
                 raise TimeoutError(f"no end of replay from {self._replay_endpoint} "
                                    f"within {timeout_s}s")
             frames = replay.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
+            # [b"", topic, seq, payload] (vLLM's and ours), or [b"", seq, payload] from
+            # publishers that leave the topic out: the seq is always next to last.
+            if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                 self.num_malformed_messages += 1
                 continue
-            seq = seq_from_bytes(frames[1])
+            seq = seq_from_bytes(frames[-2])
             if seq == END_OF_REPLAY_SEQ:
                 break
             try:
-                batch = decode_batch(frames[2])
+                batch = decode_batch(frames[-1])
             except Exception:  # counted and skipped, as on the live stream
                 self.num_malformed_messages += 1
                 continue

@@ -175,10 +175,11 @@ def test_replay_answers_a_req_client(publisher):
         req.connect(publisher.replay_endpoint)
         req.send((2).to_bytes(8, "big"))
         assert req.poll(int(DEADLINE_S * 1000)), "replay did not answer"
-        seq_frame, payload = req.recv_multipart()
+        topic, seq_frame, payload = req.recv_multipart()
     finally:
         req.close(linger=0)
         context.term()
+    assert topic == b"kv@engine-0"
     assert seq_from_bytes(seq_frame) == 2
     assert decode_batch(payload).ts == 2.0
 
@@ -194,16 +195,40 @@ def test_replay_from_a_dealer_ends_with_minus_one(publisher):
         dealer.connect(publisher.replay_endpoint)
         dealer.send_multipart((b"", (1).to_bytes(8, "big")))
         messages = []
-        while not messages or messages[-1][1] != END_OF_REPLAY:
+        while not messages or messages[-1][-2] != END_OF_REPLAY:
             assert dealer.poll(int(DEADLINE_S * 1000)), "replay did not answer"
             messages.append(dealer.recv_multipart())
     finally:
         dealer.close(linger=0)
         context.term()
+    # [delimiter, topic, seq, payload]: the live frames behind the envelope, as vLLM sends
+    # them; vllm-router's replay client drops any answer with fewer than four frames.
+    assert all(len(frames) == 4 for frames in messages)
     assert [frames[0] for frames in messages] == [b""] * 4
-    assert [seq_from_bytes(frames[1]) for frames in messages] == [1, 2, 3, -1]
-    assert messages[-1][2] == b""
-    assert [decode_batch(frames[2]).ts for frames in messages[:-1]] == [1.0, 2.0, 3.0]
+    assert [frames[1] for frames in messages] == [b"kv@engine-0"] * 4
+    assert [seq_from_bytes(frames[2]) for frames in messages] == [1, 2, 3, -1]
+    assert messages[-1][3] == b""
+    assert [decode_batch(frames[3]).ts for frames in messages[:-1]] == [1.0, 2.0, 3.0]
+
+
+def test_replay_answers_carry_the_topic():
+    with ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, topic="kv@m") as pub:
+        pub.publish(_step_records(0), ts=0.0)
+        _wait_for(lambda: pub.num_published_batches == 1, "1 batch sent")
+        context = zmq.Context()
+        dealer = context.socket(zmq.DEALER)
+        try:
+            dealer.connect(pub.replay_endpoint)
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            messages = []
+            for _ in range(2):
+                assert dealer.poll(int(DEADLINE_S * 1000)), "replay did not answer"
+                messages.append(dealer.recv_multipart())
+        finally:
+            dealer.close(linger=0)
+            context.term()
+    assert [frames[1] for frames in messages] == [b"kv@m", b"kv@m"]
+    assert [seq_from_bytes(frames[2]) for frames in messages] == [0, -1]
 
 
 def test_a_malformed_replayed_batch_is_counted_and_skipped(publisher):
@@ -218,8 +243,8 @@ def test_a_malformed_replayed_batch_is_counted_and_skipped(publisher):
     def answer_once():
         client, _, _ = router.recv_multipart()
         for seq, payload in ((0, b"\xc1 not msgpack"), (1, good)):
-            router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        router.send_multipart((client, b"", END_OF_REPLAY, b""))
+            router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+        router.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
 
     server = threading.Thread(target=answer_once, daemon=True)
     server.start()
