@@ -4,6 +4,9 @@ Every route answers errors with OpenAI's error JSON (see ``errors``). Order of c
 generation request: body size (413) -> API key (401) -> JSON and fields (400) -> model name
 (404) -> lengths against the model (400) -> the engine (400 if it refuses).
 
+``/tokenize``, ``/detokenize`` and the ``/render`` endpoints (``serving_tokenization``)
+answer with the token ids generation would use, after the same checks.
+
 ``/health`` and ``/metrics`` need no key (probes and scrapers); everything else does when
 keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait`` and
 ``abort_running`` (``true``/``false``) with AsyncLLM's meanings and answers
@@ -20,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +51,11 @@ from prefixcache.entrypoints.openai.protocol import (
     ModelList,
 )
 from prefixcache.entrypoints.openai.serving import EventStream, ModelInfo, OpenAIServing
+from prefixcache.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    OpenAIServingTokenization,
+    tokenize_request_class,
+)
 from prefixcache.entrypoints.openai.tenancy import Authenticator, AuthError, Principal
 
 logger = logging.getLogger(__name__)
@@ -130,7 +139,9 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _parse_body(raw_request: Request, model_cls: type[BaseModel]) -> Any:
+async def _parse_body(raw_request: Request,
+                      model_cls: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+    """The body validated as ``model_cls``, or as the class ``model_cls(body)`` picks."""
     body = await raw_request.body()
     try:
         data = json.loads(body, parse_constant=_reject_constant)
@@ -138,6 +149,8 @@ async def _parse_body(raw_request: Request, model_cls: type[BaseModel]) -> Any:
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
+    if not isinstance(model_cls, type):
+        model_cls = model_cls(data)
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -271,6 +284,37 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     async def chat_completions(raw_request: Request) -> Response:
         return await generate(raw_request, ChatCompletionRequest,
                               serving.create_chat_completion)
+
+    tokenization = OpenAIServingTokenization(serving)
+
+    async def tokenization_route(raw_request: Request, request_cls: Any, handle: Any
+                                 ) -> Response:
+        # Same order of checks as generation: auth, body, then the request's own checks.
+        authenticate(raw_request)
+        result = handle(await _parse_body(raw_request, request_cls))
+        if isinstance(result, list):
+            body = "[" + ",".join(item.model_dump_json() for item in result) + "]"
+            return Response(body, media_type="application/json")
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        return await tokenization_route(raw_request, tokenize_request_class,
+                                        tokenization.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        return await tokenization_route(raw_request, DetokenizeRequest, tokenization.detokenize)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(raw_request: Request) -> Response:
+        return await tokenization_route(raw_request, CompletionRequest,
+                                        tokenization.render_completion)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(raw_request: Request) -> Response:
+        return await tokenization_route(raw_request, ChatCompletionRequest,
+                                        tokenization.render_chat)
 
     @app.get("/v1/models")
     async def models(raw_request: Request) -> Response:

@@ -125,6 +125,7 @@ class CompletionRequest(GenerationRequest):
     ``max_tokens`` defaults to 16, as in OpenAI's API."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's extension: for text prompts
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -211,11 +212,26 @@ class ChatMessage(OpenAIModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatTemplateFields(OpenAIModel):
+    """vLLM's chat-template options, shared by chat generation, ``/tokenize`` and the chat
+    render endpoint (``prompt_inputs.render_chat_prompt`` states what each does)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them: ``{"role", "content"}`` dicts."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is OpenAI's newer name for
     ``max_tokens``; when both are absent, generation may run to the end of the context."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -234,10 +250,6 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them: ``{"role", "content"}`` dicts."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 # ---- responses -----------------------------------------------------------------------

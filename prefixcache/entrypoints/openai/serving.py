@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefixcache.engine.async_llm import AsyncLLM, NewRequest
 from prefixcache.engine.output_stream import EngineDeadError, OutputStream
@@ -23,6 +23,7 @@ from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body, error_json
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
+from prefixcache.entrypoints.openai.prompt_inputs import encode_text_prompt, render_chat_prompt
 from prefixcache.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,6 +31,7 @@ from prefixcache.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatStreamChoice,
+    ChatTemplateFields,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -58,6 +60,15 @@ class ModelInfo:
     @property
     def kv_pool_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+
+class PreparedPrompts(NamedTuple):
+    """What one API request runs with: the served model name it named, each prompt's
+    token ids, and the ``max_tokens`` every choice gets."""
+
+    model: str
+    prompts_token_ids: list[list[int]]
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +131,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest,
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
-        model = self._check_model(request.model)
-        prompts_token_ids = [self._encode_prompt(p) for p in request.prompts()]
-        max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        model, prompts_token_ids, max_tokens = self.prepare_completion(request)
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "cmpl", model, arrival_time)
         if request.stream:
@@ -139,13 +148,8 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, cache_salt: str | None
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
-        model = self._check_model(request.model)
-        prompt_token_ids = self._render_chat(request)
-        # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
-        max_tokens = request.requested_max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.model_info.max_model_len - len(prompt_token_ids), 1)
-        run, stream = await self._start(request, [prompt_token_ids], max_tokens, cache_salt,
+        model, prompts_token_ids, max_tokens = self.prepare_chat(request)
+        run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "chatcmpl", model, arrival_time)
         if request.stream:
             return EventStream(self._stream_events(run, stream, request.include_usage_in_stream,
@@ -168,26 +172,41 @@ class OpenAIServing:
                            f"serves {', '.join(names)}", param="model", code="model_not_found")
         return requested
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
+                       ) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        token_ids = self.tokenizer.encode(prompt)
-        if not token_ids:
-            raise bad_request("prompt is empty after tokenization", param="prompt")
-        return token_ids
+        return encode_text_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
 
-    def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
-        import jinja2
+    def _render_chat(self, request: ChatTemplateFields) -> list[int]:
+        return render_chat_prompt(
+            self.tokenizer, request.chat_messages(),
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=request.add_special_tokens,
+            chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs)
 
-        try:
-            token_ids = self.tokenizer.apply_chat_template(
-                request.chat_messages(), add_generation_prompt=True, tokenize=True)
-        except (ValueError, jinja2.TemplateError) as exc:
-            raise bad_request(f"cannot apply the chat template: {exc}",
-                              param="messages") from exc
-        if not token_ids:
-            raise bad_request("messages render to an empty prompt", param="messages")
-        return list(token_ids)
+    # ---- shared with the tokenization endpoints (serving_tokenization) -----------------
+
+    def prepare_completion(self, request: CompletionRequest) -> PreparedPrompts:
+        """The model name, the prompts' token ids and ``max_tokens`` a completion request
+        runs with: what ``create_completion`` sends to the engine."""
+        model = self._check_model(request.model)
+        prompts_token_ids = [self._encode_prompt(p, request.add_special_tokens)
+                             for p in request.prompts()]
+        max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        return PreparedPrompts(model, prompts_token_ids, max_tokens)
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> PreparedPrompts:
+        """As ``prepare_completion``, for a chat request (one prompt)."""
+        model = self._check_model(request.model)
+        prompt_token_ids = self._render_chat(request)
+        # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
+        max_tokens = request.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.model_info.max_model_len - len(prompt_token_ids), 1)
+        return PreparedPrompts(model, [prompt_token_ids], max_tokens)
 
     def _check_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
         info = self.model_info
