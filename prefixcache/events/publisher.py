@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prefixcache.core.kv_events import AllBlocksCleared
 from prefixcache.events.convert import BLOCK_HASH_FORMATS, BlockHashFormat, make_batch
 from prefixcache.events.wire import encode_batch
 
@@ -114,6 +115,8 @@ class ZmqEventPublisher(EventPublisher):
         bind: True (default) binds the PUB socket, the engine being the stable end that
             subscribers connect to. False connects it instead, to push into a collector
             that binds. (vLLM guesses: it binds only wildcard, ipc and inproc addresses.)
+        clear_on_close: publish a last ``AllBlocksCleared`` batch in ``close()`` (see
+            there); only a publisher that has published anything does.
 
     Attributes read by the server's ``/metrics``: ``num_published_batches`` (sent on the
     PUB socket) and ``num_dropped_batches`` (lost to a full queue).
@@ -140,6 +143,7 @@ class ZmqEventPublisher(EventPublisher):
         hwm: int = 100_000,
         bind: bool = True,
         close_timeout_s: float = 2.0,
+        clear_on_close: bool = True,
     ) -> None:
         import zmq  # only engines that publish pay for the import
 
@@ -152,6 +156,7 @@ class ZmqEventPublisher(EventPublisher):
         self._block_hash_format: BlockHashFormat = block_hash_format
         self._max_queue_size = max_queue_size
         self._close_timeout_s = close_timeout_s
+        self._clear_on_close = clear_on_close
 
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
@@ -216,11 +221,22 @@ class ZmqEventPublisher(EventPublisher):
             self._cond.notify()
 
     def close(self) -> None:
-        """Send what is queued, stop the thread, release the sockets. Idempotent."""
+        """Send what is queued, stop the thread, release the sockets. Idempotent.
+
+        When anything was published, a last batch holding ``AllBlocksCleared`` goes out
+        first: the engine behind this publisher is going away with its cache, and a router
+        must not keep sending requests there for blocks that no longer exist when the
+        replica comes back. (A replica that restarts counts from 0 again; routers such as
+        vllm-router treat a lower sequence number as a restart too, but that misses a
+        restart after a single batch, which this last batch closes.)
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            if self._next_seq > 0 and self._clear_on_close:
+                self._queue.append((self._next_seq, time.time(), [AllBlocksCleared()]))
+                self._next_seq += 1
             self._closing = True
             self._cond.notify()
         self._thread.join(self._close_timeout_s)

@@ -365,8 +365,8 @@ def test_empty_steps_publish_nothing_and_close_is_clean(publisher):
     publisher.publish([], ts=1.0)
     for step in range(50):
         publisher.publish(_step_records(step))
-    publisher.close()  # sends what was queued, then stops
-    assert publisher.num_published_batches == 50
+    publisher.close()  # sends what was queued and a last AllBlocksCleared, then stops
+    assert publisher.num_published_batches == 51
     assert not publisher._thread.is_alive()
     publisher.close()  # idempotent
     with pytest.raises(RuntimeError):
@@ -423,3 +423,27 @@ def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
         assert {r.batch.data_parallel_rank for r in replayed} == {rank}
     finally:
         pub.close()
+
+
+def test_close_tells_subscribers_the_cache_is_gone():
+    """A closing publisher's last batch is AllBlocksCleared, numbered after the others, so
+    a router drops this engine's blocks even when the replica comes back counting from 0."""
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT)
+    with EventSubscriber(pub.endpoint) as sub:
+        next_seq = _wait_until_subscribed(pub, sub)
+        pub.publish(_step_records(1), ts=1.0)
+        pub.close()
+        received = []
+        while len(received) < 2:
+            batch = sub.recv_live(DEADLINE_S)
+            assert batch is not None, "the closing batches never arrived"
+            if batch.seq >= next_seq:  # not a late probe
+                received.append(batch)
+    assert [r.seq for r in received] == [next_seq, next_seq + 1]
+    assert [type(e).__name__ for e in received[1].batch.events] == ["AllBlocksCleared"]
+
+
+def test_a_publisher_that_published_nothing_closes_silently():
+    pub = ZmqEventPublisher(TCP_ANY_PORT)
+    pub.close()
+    assert pub.num_published_batches == 0
