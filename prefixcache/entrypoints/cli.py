@@ -21,6 +21,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
     "prefixcache.entrypoints.events_cmd",
+    "prefixcache.entrypoints.fleet",
     "prefixcache.entrypoints.generate_cmd",
     "prefixcache.entrypoints.openai.serve_cmd",
     "prefixcache.entrypoints.replay_cmd",
