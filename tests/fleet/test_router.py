@@ -137,16 +137,16 @@ def test_follow_ups_land_where_their_document_is_cached(fleet):
         wait_until_published(replicas, http, documents)
         follow_ups = [f"{d} Question {q}: which {WORDS[q]}?" for d in documents
                       for q in range(2)]
-        answers = list(pool.map(lambda p: complete(http, p), follow_ups))
+        # One at a time: the router's cost weighs load against the prefix, and this test
+        # is about placement (benchmarks/fleet.py measures it under concurrency).
+        answers = [complete(http, p) for p in follow_ups]
         doc_tokens = [http.post("/tokenize", json={"prompt": d}).json()["count"]
                       for d in documents]
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     # A follow-up that landed on its document's replica reuses the document's full blocks
-    # (the last one may tokenize differently). The router's cost weighs load against the
-    # prefix, so under concurrency it may rarely trade one away; nearly all must land.
-    num_landed = sum(num_cached >= (doc_tokens[index // 2] // BLOCK_SIZE - 1) * BLOCK_SIZE
-                     for index, num_cached in enumerate(cached))
-    assert num_landed >= len(follow_ups) - 1, cached
+    # (the last one may tokenize differently).
+    for index, num_cached in enumerate(cached):
+        assert num_cached >= (doc_tokens[index // 2] // BLOCK_SIZE - 1) * BLOCK_SIZE, cached
     # Both replicas took documents: placement was not a single-replica accident.
     assert all(r.stored_token_prefixes() for r in replicas)
 
