@@ -79,6 +79,7 @@ def test_chat_template_options_apply_to_generation_too(http):
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/v1/completions/render", {"prompt": TEXT, "max_tokens": 10_000}, "max_tokens"),
     ("/v1/completions/render", {"prompt": TEXT, "echo": True}, None),
+    ("/v1/completions/render", {"prompt": [1, 100000]}, "prompt"),
     ("/v1/chat/completions/render", {"messages": MESSAGES, "temperature": "hot"},
      "temperature"),
 ])

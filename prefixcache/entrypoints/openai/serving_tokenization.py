@@ -141,8 +141,14 @@ class OpenAIServingTokenization:
                   ) -> list[RenderedRequest]:
         serving = self.serving
         rendered = []
-        for token_ids in prepared.prompts_token_ids:
+        vocab_size = self.tokenizer.vocab_size
+        for index, token_ids in enumerate(prepared.prompts_token_ids):
             serving._check_lengths(len(token_ids), prepared.max_tokens)
+            # The engine refuses these when generating; a render must not accept them.
+            if any(not 0 <= t < vocab_size for t in token_ids):
+                where = "" if len(prepared.prompts_token_ids) == 1 else f"prompt {index}: "
+                raise bad_request(f"{where}the prompt holds a token id outside the model's "
+                                  f"vocabulary (0 .. {vocab_size - 1})", param="prompt")
             params = serving._sampling_params(request, prepared.max_tokens, 0)
             rendered.append(RenderedRequest(
                 request_id=random_id("render"), token_ids=token_ids,
