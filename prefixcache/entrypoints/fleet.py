@@ -323,18 +323,20 @@ def _wait_for_ready_line(part: Part, fleet: Fleet, deadline: float) -> ReplicaAd
     raise FleetStopped(f"{part.name} was not ready in time; stopping the fleet", 1)
 
 
-def _wait_for_router(url: str, fleet: Fleet, deadline: float) -> None:
+def wait_until_healthy(url: str, deadline: float, check_alive=lambda: None) -> bool:
+    """Poll ``url``/health until it answers 200 (True) or ``deadline`` passes (False);
+    ``check_alive`` runs before each try and may raise to stop waiting."""
     import httpx
 
     while time.monotonic() < deadline:
-        fleet.check_alive()
+        check_alive()
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise FleetStopped("the router did not answer /health in time; stopping the fleet", 1)
+    return False
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -375,7 +377,9 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=settings.served_model_name,
             health_check_interval_s=args.health_check_interval,
             extra_args=args.router_arg))
-        _wait_for_router(router_url, fleet, deadline)
+        if not wait_until_healthy(router_url, deadline, fleet.check_alive):
+            raise FleetStopped("the router did not answer /health in time; stopping the "
+                               "fleet", 1)
         print(f"fleet ready: {router_url} ({len(addresses)} replicas of "
               f"{settings.served_model_name}, policy {args.policy}: "
               f"{' '.join(a.url for a in addresses)})", flush=True)

@@ -16,7 +16,12 @@ import time
 import httpx
 import pytest
 
-from prefixcache.entrypoints.fleet import ReplicaAddress, free_port, router_command
+from prefixcache.entrypoints.fleet import (
+    ReplicaAddress,
+    free_port,
+    router_command,
+    wait_until_healthy,
+)
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import BlockStored
 from tests.entrypoints.conftest import MODEL_NAME, ServerProcess
@@ -72,16 +77,11 @@ class Router:
                                  served_model_name=MODEL_NAME, health_check_interval_s=1)
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + ROUTER_TIMEOUT_S
-        while True:
+        def check_alive() -> None:
             assert self.process.poll() is None, "vllm-router exited"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm-router never became healthy"
-            time.sleep(0.1)
+
+        assert wait_until_healthy(self.url, time.monotonic() + ROUTER_TIMEOUT_S, check_alive), \
+            "vllm-router never became healthy"
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
