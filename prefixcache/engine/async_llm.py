@@ -9,8 +9,9 @@ in one engine and are batched by its scheduler.
 Loop iteration::
 
     take commands (block only when the engine is idle) -> apply them in arrival order
-    -> engine.step() if there is work -> publish the step's KV events
-    -> refresh the stats snapshot -> deliver outputs, grouped per stream
+    -> engine.step() if there is work -> publish the step's KV events and wait (bounded)
+    until they are on the wire -> refresh the stats snapshot -> deliver outputs, grouped
+    per stream
     -> admit the adds held back, if nothing holds them any more
 
 Contracts:
@@ -32,6 +33,10 @@ Contracts:
   reported the aborted request's end, so an add that reuses it is held back for that one
   step (as are the adds queued after it, to keep arrival order); old and new outputs
   never meet in one stream.
+* A step's KV events leave before its outputs do: a client (or a router placing its next
+  request by those events) that has a request's answer finds its blocks already published.
+  The wait is bounded by ``_EVENTS_SENT_TIMEOUT_S``; a stuck publisher delays outputs by
+  that much and no more.
 * If the engine raises, every live stream and every later call gets
   :class:`EngineDeadError`; ``is_healthy`` turns False. After ``shutdown()`` it is False
   at once, later calls get EngineDeadError, and so does every add or reset still queued
@@ -66,6 +71,8 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
 
 _SHUTDOWN_REASON = "the server is shutting down"
+# Longest wait for a step's KV events to be sent before its outputs are delivered anyway.
+_EVENTS_SENT_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,8 +459,10 @@ class AsyncLLM:
         events = self.engine.take_kv_events()
         if events:
             with self._publish_lock:
-                if not self._publisher_closed:
-                    self.event_publisher.publish(events)
+                if self._publisher_closed:
+                    return
+                self.event_publisher.publish(events)
+            self.event_publisher.wait_until_sent(_EVENTS_SENT_TIMEOUT_S)
 
     def _fail_all(self, error: BaseException) -> None:
         self._has_stopped_taking_commands = True  # before the drain below: see _put_command

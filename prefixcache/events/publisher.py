@@ -14,8 +14,11 @@ vllm-router's replay client requires (it reads the sequence number from the next
 frame and drops shorter answers). Only the last ``buffer_steps`` batches are kept.
 
 The engine loop never waits on the network: ``publish`` stamps the batch, gives it its
-sequence number and appends it to a bounded in-memory queue; a background thread converts,
-encodes, sends, buffers for replay and answers replay requests. When the queue is full
+sequence number and appends it to a bounded in-memory queue; a background thread, woken at
+once, converts, encodes, sends, buffers for replay and answers replay requests. A caller that
+must not let anyone learn of a step before its events are out (the server: a router reads
+the events to place the next request of the same prefix) calls ``wait_until_sent`` after
+``publish`` and before it hands out the step's outputs; that wait is bounded. When the queue is full
 the oldest queued batch is dropped and ``num_dropped_batches`` counts it. A dropped batch
 keeps its sequence number, so subscribers see the gap (which replay cannot fill: the batch
 was never sent) and know their view of this engine's cache is incomplete.
@@ -23,7 +26,9 @@ was never sent) and know their view of this engine's cache is incomplete.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -42,9 +47,9 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY_SEQ = -1
 END_OF_REPLAY = END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True)
 
-# How long the background thread waits for work before looking at the replay socket again.
-# Bounds replay latency and shutdown latency; idle cost is a few wake-ups per second.
-_IDLE_WAIT_S = 0.02
+# The background thread's longest idle poll. Publishing, closing and replay requests all
+# wake it at once, so this bounds nothing but its idle wake-ups.
+_IDLE_POLL_MS = 100
 
 
 _CLOSE_LINGER_MS = 200
@@ -72,6 +77,12 @@ class EventPublisher:
 
     def publish(self, events: Sequence[KVCacheEvent], ts: float | None = None) -> None:
         raise NotImplementedError
+
+    def wait_until_sent(self, timeout_s: float) -> bool:
+        """Block until every batch published so far is on the wire (or dropped), at most
+        ``timeout_s`` seconds; True if so. A publisher without a network side returns at
+        once."""
+        return True
 
     def close(self) -> None:
         raise NotImplementedError
@@ -121,9 +132,8 @@ class ZmqEventPublisher(EventPublisher):
     Attributes read by the server's ``/metrics``: ``num_published_batches`` (sent on the
     PUB socket) and ``num_dropped_batches`` (lost to a full queue).
 
-    With a replay socket the thread alternates between the queue and the socket, so a batch
-    may wait up to ``_IDLE_WAIT_S`` (20 ms) before it is sent; without one it is sent as soon
-    as the thread wakes.
+    ``publish`` wakes the thread at once (a byte on a pipe the thread polls beside the
+    replay socket), so a batch leaves within the time it takes to encode it.
 
     Socket errors (a taken port, a bad address) raise from the constructor. After that
     every socket belongs to the background thread. ``close()`` sends what is queued,
@@ -184,6 +194,8 @@ class ZmqEventPublisher(EventPublisher):
         self._queue: deque[tuple[int, float, Sequence[KVCacheEvent]]] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._next_seq = 0
+        # Every batch below this sequence number has been sent (or dropped); guarded by _cond.
+        self._num_done = 0
         self._closing = False
         self._closed = False
         # (seq, payload) of the last buffer_steps sent batches; only the thread touches it.
@@ -191,6 +203,15 @@ class ZmqEventPublisher(EventPublisher):
         self.num_published_batches = 0
         self.num_dropped_batches = 0
         self.num_replay_requests = 0
+
+        # publish() writes a byte here to wake the thread out of its poll.
+        self._wake_read_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self._wake_read_fd, False)
+        os.set_blocking(self._wake_write_fd, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_read_fd, zmq.POLLIN)
+        if self._replay is not None:
+            self._poller.register(self._replay, zmq.POLLIN)
 
         self._thread = threading.Thread(
             target=self._run, name="prefixcache-kv-events", daemon=True
@@ -218,7 +239,25 @@ class ZmqEventPublisher(EventPublisher):
                 self.num_dropped_batches += 1
             self._queue.append((self._next_seq, ts, events))
             self._next_seq += 1
-            self._cond.notify()
+            self._wake()  # under the lock: close() cannot release the pipe meanwhile
+
+    def wait_until_sent(self, timeout_s: float) -> bool:
+        """See ``EventPublisher.wait_until_sent``. False after ``timeout_s`` (a stuck
+        thread) and after ``close()``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            target = self._next_seq
+            while self._num_done < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def _wake(self) -> None:
+        # A full pipe means the thread has a wake-up pending already.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_write_fd, b"\0")
 
     def close(self) -> None:
         """Send what is queued, stop the thread, release the sockets. Idempotent.
@@ -238,7 +277,8 @@ class ZmqEventPublisher(EventPublisher):
                 self._queue.append((self._next_seq, time.time(), [AllBlocksCleared()]))
                 self._next_seq += 1
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()  # waiters in wait_until_sent give up
+            self._wake()
         self._thread.join(self._close_timeout_s)
         if self._thread.is_alive():
             # Sockets are not thread-safe: leave them to the (daemon) thread rather than
@@ -255,30 +295,51 @@ class ZmqEventPublisher(EventPublisher):
         if self._replay is not None:
             self._replay.close(linger=0)
         self._context.term()
+        for fd in (getattr(self, "_wake_read_fd", None), getattr(self, "_wake_write_fd", None)):
+            if fd is not None:  # None when the constructor failed before making the pipe
+                os.close(fd)
 
     # -- background thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and not self._closing and self._replay is None:
-                    self._cond.wait(_IDLE_WAIT_S * 5)
                 pending = list(self._queue)
                 self._queue.clear()
                 closing = self._closing
+                # Dropped batches never come: count them as done.
+                done_until = pending[0][0] if pending else self._next_seq
+                if done_until > self._num_done:
+                    self._num_done = done_until
+                    self._cond.notify_all()
             for seq, ts, events in pending:
                 try:
                     self._send(seq, ts, events)
                 except Exception:
                     # One bad batch must not kill the stream; subscribers see its gap.
                     logger.exception("failed to publish KV event batch %d", seq)
-            if self._replay is not None:
-                try:
-                    self._serve_replay(wait=not pending and not closing)
-                except Exception:
-                    logger.exception("failed to serve a KV event replay request")
+                with self._cond:
+                    self._num_done = max(self._num_done, seq + 1)
+                    self._cond.notify_all()
             if closing and not pending:
                 return
+            try:
+                self._wait_for_work(wait=not pending and not closing)
+            except Exception:
+                logger.exception("failed to serve a KV event replay request")
+
+    def _wait_for_work(self, wait: bool) -> None:
+        """Poll the wake pipe and the replay socket (up to ``_IDLE_POLL_MS`` when
+        ``wait``); answer waiting replay requests."""
+        ready = dict(self._poller.poll(_IDLE_POLL_MS if wait else 0))
+        if self._wake_read_fd in ready:
+            try:
+                while os.read(self._wake_read_fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._replay is not None and self._replay in ready:
+            self._serve_replay()
 
     def _send(self, seq: int, ts: float, events: Sequence[KVCacheEvent]) -> None:
         batch = make_batch(events, ts, self._data_parallel_rank, self._block_hash_format)
@@ -288,12 +349,10 @@ class ZmqEventPublisher(EventPublisher):
         self._replay_buffer.append((seq, payload))
         self.num_published_batches += 1
 
-    def _serve_replay(self, wait: bool) -> None:
-        replay = self._replay
-        if not replay.poll(int(_IDLE_WAIT_S * 1000) if wait else 0):
-            return
+    def _serve_replay(self) -> None:
         import zmq
 
+        replay = self._replay
         # Answer every request already waiting, not just one, so a burst of late joiners
         # does not wait one idle period each.
         while replay.poll(0):

@@ -105,7 +105,9 @@ class FakeEngine:
 
 
 class RecordingPublisher:
-    """An EventPublisher that keeps what it is given."""
+    """An EventPublisher that keeps what it is given. ``send_gate``, when set to a
+    threading.Event, holds ``wait_until_sent`` (its batches "on their way") until set;
+    ``num_waits`` counts the waits entered."""
 
     num_dropped_batches = 0
     num_published_batches = 0
@@ -113,10 +115,16 @@ class RecordingPublisher:
     def __init__(self) -> None:
         self.batches: list[list] = []
         self.closed = False
+        self.send_gate: threading.Event | None = None
+        self.num_waits = 0
 
     def publish(self, events, ts=None) -> None:
         self.batches.append(list(events))
         self.num_published_batches += 1
+
+    def wait_until_sent(self, timeout_s: float) -> bool:
+        self.num_waits += 1
+        return self.send_gate is None or self.send_gate.wait(timeout_s)
 
     def close(self) -> None:
         self.closed = True

@@ -334,6 +334,24 @@ def test_each_step_publishes_its_events(llm):
     assert llm.event_publisher.batches == [["step1"], ["step2"], ["step3"]]
 
 
+def test_a_steps_outputs_wait_until_its_events_are_sent(llm):
+    """A router reads the events to place the next request of the same prefix: nobody may
+    have a step's answer before its events are on the wire."""
+    publisher = llm.event_publisher
+    publisher.send_gate = threading.Event()
+
+    async def main():
+        task = asyncio.ensure_future(collect(llm, "e", [1], 1))
+        await wait_until(lambda: publisher.num_waits == 1)
+        # The engine loop is inside wait_until_sent for the only step: not delivered yet.
+        assert publisher.batches == [["step1"]] and not task.done()
+        publisher.send_gate.set()
+        outputs = await task
+        assert outputs[-1].finished
+
+    run(main())
+
+
 class ClosingPublisher(RecordingPublisher):
     """Like the real publisher: publishing after close() is an error."""
 

@@ -101,6 +101,24 @@ def test_published_batches_decode_to_the_same_events_in_sequence(publisher):
         assert not message.is_replay
 
 
+def test_a_batch_is_on_the_wire_when_wait_until_sent_returns(publisher):
+    """wait_until_sent returns once the batch is handed to ZMQ (the server relies on it to
+    publish a step before it delivers the step's outputs)."""
+    with EventSubscriber(publisher.endpoint, topic="kv") as subscriber:
+        next_seq = _wait_until_subscribed(publisher, subscriber)
+        while subscriber.recv_live(0.05) is not None:  # drain late probes
+            pass
+        publisher.publish(_step_records(0), ts=1.0)
+        assert publisher.wait_until_sent(DEADLINE_S)
+        message = None
+        deadline = time.monotonic() + DEADLINE_S
+        while message is None and time.monotonic() < deadline:
+            message = subscriber.recv_live(0.01)
+        assert message is not None and message.seq == next_seq
+    publisher.close()
+    assert publisher.wait_until_sent(0) is True  # nothing is left unsent
+
+
 def test_live_frames_are_topic_seq_payload():
     publisher = ZmqEventPublisher(TCP_ANY_PORT, topic="kv", data_parallel_rank=None)
     context = zmq.Context()
