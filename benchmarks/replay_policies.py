@@ -45,7 +45,7 @@ from prefixcache.sim.reuse import reuse_hazard
 from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import load_trace
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake"
                  / "synthetic_trace.jsonl")
 CAPACITIES = [1000, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000]
 QUICK_CAPACITIES = [2000, 4000, 8000]
