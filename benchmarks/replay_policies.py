@@ -1,4 +1,4 @@
-"""Eviction policies on the shared Mooncake synthetic trace, and replay speed. Prints JSON.
+"""Eviction policies on the Mooncake synthetic trace (data/), and replay speed. Prints JSON.
 
 1. Sweep (block size 512, sequential, one live request, decode slots reserved): token hit
    rate per capacity for every online policy, Belady's offline optimum and the infinite
