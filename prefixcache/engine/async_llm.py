@@ -19,9 +19,10 @@ Contracts:
   ``n`` choices of one prompt, or a batch of prompts) and ends once all of them finished.
   Leaving it early (``aclose``, ``async with``, cancellation, a client disconnect) aborts
   the unfinished ones, so their KV blocks are freed.
-* ``add_requests`` returns only once the engine accepted every request, so a ValueError
-  from the engine (a bad prompt, bad sampling params) reaches the caller before it commits
-  to a response. A partial batch is never left running.
+* ``add_requests`` returns only once the engine accepted every request, so the engine's
+  :class:`~prefixcache.engine.errors.InvalidRequestError` (a bad prompt, bad sampling
+  params) reaches the caller as raised, before it commits to a response. A partial batch
+  is never left running.
 * An aborted request's stream ends with the engine's own final output for it, which the
   engine's next step reports: ``finish_reason="abort"``, with the cumulative text and
   tokens so far (text held back for a possible stop string included). Nothing else the
@@ -51,7 +52,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.engine.output_stream import EngineDeadError, OutputStream
+from prefixcache.engine.errors import EngineDeadError, InvalidRequestError
+from prefixcache.engine.output_stream import OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.stats import EngineStats
 
@@ -214,8 +216,9 @@ class AsyncLLM:
     async def add_requests(self, requests: Sequence[NewRequest]) -> OutputStream:
         """Add ``requests`` to the engine as one group; returns their output stream.
 
-        Raises ValueError (and adds nothing) if the engine refuses any of them, and
-        EngineDeadError if the engine loop is gone.
+        Raises the engine's InvalidRequestError (a ValueError; other ValueErrors of a
+        non-conforming engine as ValueError) and adds nothing if the engine refuses any
+        of them, and EngineDeadError if the engine loop is gone.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
@@ -382,7 +385,8 @@ class AsyncLLM:
         except (ValueError, TypeError) as exc:
             # Their final outputs go to this stream, which nobody will read.
             self._apply_abort(added, command.stream)
-            _resolve(command.loop, command.done, exception=ValueError(str(exc)))
+            refusal = exc if isinstance(exc, InvalidRequestError) else ValueError(str(exc))
+            _resolve(command.loop, command.done, exception=refusal)
             return
         _resolve(command.loop, command.done, result=None)
 

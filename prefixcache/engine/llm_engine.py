@@ -36,6 +36,7 @@ from prefixcache.config import (
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerOutput
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
@@ -192,9 +193,12 @@ class LLMEngine:
         """Queue a request; it runs from the next :meth:`step`.
 
         The engine runs one sample per request (``sampling_params.n`` is the caller's to
-        expand). Raises ValueError, and queues nothing, for: a duplicate id, invalid
-        params, an empty prompt or a token id outside the vocabulary, a prompt plus
-        ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool.
+        expand). Raises :class:`~prefixcache.engine.errors.InvalidRequestError` (a
+        ValueError naming the request and the field at fault), and queues nothing, for: an
+        id in use (``param="request_id"``), invalid params (None: the message names the
+        parameter), an empty prompt or a token id outside the vocabulary, a prompt plus
+        ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool
+        (``"prompt"``). A ``request_id`` that is not a string is a plain ValueError.
 
         An id is in use from ``add_request`` until :meth:`step` has returned its final
         output; for an aborted request that is the step after :meth:`abort_request`. So
@@ -208,36 +212,48 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if request_id in self.request_states:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(request_id, "the request id is already in use",
+                                      "request_id")
         # Aborts are few and delivered by the next step, so this scan stays short.
         if any(output.request_id == request_id for output in self._pending_outputs):
-            raise ValueError(f"request id {request_id!r} is still in use: it was aborted "
-                             "and step() has not yet returned its final output")
+            raise InvalidRequestError(request_id, "the request id is still in use: it was "
+                                      "aborted and step() has not yet returned its final "
+                                      "output", "request_id")
         if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(
+            raise InvalidRequestError(
+                request_id,
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
             )
-        sampling_params.validate()
+        try:
+            sampling_params.validate()
+        except ValueError as error:
+            raise InvalidRequestError(request_id, str(error)) from error
         prompt_token_ids = list(prompt_token_ids)
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise InvalidRequestError(request_id, "the prompt is empty", "prompt")
         vocab_size = self.vocab_size
         for token_id in prompt_token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) \
                     or not 0 <= token_id < vocab_size:
-                raise ValueError(f"request {request_id!r}: prompt token {token_id!r} is not "
-                                 f"a token id of this model (0..{vocab_size - 1})")
+                raise InvalidRequestError(request_id, f"prompt token {token_id!r} is not a "
+                                          f"token id of this model (0..{vocab_size - 1})",
+                                          "prompt")
         if num_prompt_tokens + sampling_params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
+            raise InvalidRequestError(
+                request_id,
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens "
                 f"({sampling_params.max_tokens}) exceeds the model's context length "
-                f"max_model_len={self.max_model_len}"
+                f"max_model_len={self.max_model_len}",
+                "prompt",
             )
         request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
-        # ValueError if the prompt alone can never fit the pool; max_tokens is not
-        # counted (see above).
-        self.scheduler.add_request(request)
+        try:
+            # Refused if the prompt alone can never fit the pool; max_tokens is not
+            # counted (see above). The id cannot clash: it was checked above.
+            self.scheduler.add_request(request)
+        except ValueError as error:
+            raise InvalidRequestError(request_id, str(error), "prompt") from error
         self.request_states[request_id] = RequestState(
             request,
             sampling_params,

@@ -90,10 +90,8 @@ def _error(message: str) -> int:
 
 def _about_prompt(position: int, num_prompts: int, message: str) -> str:
     """``message`` about the prompt at 1-based ``position``, saying which one when there
-    are several; an engine message naming our internal request id is reworded."""
-    prefix = f"request '{REQUEST_ID_PREFIX}{position}': "
-    if message.startswith(prefix):
-        message = message[len(prefix):]
+    are several. Engine refusals come as ``InvalidRequestError``, whose ``message`` does
+    not name the internal request id."""
     return message if num_prompts == 1 else f"prompt {position}: {message}"
 
 
@@ -171,10 +169,12 @@ def _generate_one(engine, args: argparse.Namespace, params, position: int, num_p
     exit code."""
     params = copy.copy(params)
     params.max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
+    from prefixcache.engine.errors import InvalidRequestError
+
     try:
         engine.add_request(f"{REQUEST_ID_PREFIX}{position}", prompt_token_ids, params)
-    except ValueError as error:
-        return _error(_about_prompt(position, num_prompts, str(error)))
+    except InvalidRequestError as error:
+        return _error(_about_prompt(position, num_prompts, error.message))
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
-from prefixcache.engine.output_stream import EngineDeadError
+from prefixcache.engine.errors import EngineDeadError
 from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
