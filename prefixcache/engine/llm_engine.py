@@ -18,24 +18,15 @@ import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from prefixcache.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_DTYPE,
-    DEFAULT_EVICTION_POLICY,
-    DEFAULT_HASH_ALGO,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from prefixcache.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerOutput
+from prefixcache.engine.arg_utils import EngineArgs, config_from
 from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request_state import RequestState
@@ -54,23 +45,18 @@ class LLMEngine:
     """One model, one paged KV cache, one scheduler. Not thread-safe: drive it from one
     thread (``AsyncLLM`` does so for the server).
 
-    Use :meth:`from_options` to build one. Attributes callers rely on: ``tokenizer``,
-    ``max_model_len`` (the model's context length), ``num_kv_blocks``, ``block_size``.
+    Use :meth:`from_options` or :meth:`from_engine_args` to build one. Attributes callers
+    rely on: ``tokenizer``, ``max_model_len`` (the model's context length),
+    ``num_kv_blocks``, ``block_size``, ``engine_args`` (the options it was built from).
     """
 
-    def __init__(
-        self,
-        loaded_model: LoadedModel,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        *,
-        seed: int | None = None,
-        hash_seed: str | None = None,
-    ) -> None:
+    def __init__(self, loaded_model: LoadedModel, model_config: ModelConfig,
+                 engine_args: EngineArgs) -> None:
+        """Use :meth:`from_engine_args`, which loads the model and resolves its config."""
+        self.engine_args = engine_args
         self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config = config_from(engine_args, CacheConfig)
+        self.scheduler_config = scheduler_config = config_from(engine_args, SchedulerConfig)
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
@@ -87,7 +73,7 @@ class LLMEngine:
             self.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.hash_algo,
-            hash_seed=hash_seed,
+            hash_seed=engine_args.hash_seed,
             enable_events=cache_config.enable_kv_events,
             eviction_policy=cache_config.eviction_policy,
         )
@@ -95,7 +81,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
         )
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(engine_args.seed)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(self.arch_config.eos_token_ids)
         self.vocab_size = self.arch_config.vocab_size
@@ -105,79 +91,31 @@ class LLMEngine:
         self._stats = EngineStats()
 
     @classmethod
-    def from_options(
-        cls,
-        model: str | Path | LoadedModel | None = None,
-        *,
-        enable_prefix_caching: bool = True,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        enable_chunked_prefill: bool = True,
-        hash_algo: str = DEFAULT_HASH_ALGO,
-        hash_seed: str | None = None,
-        eviction_policy: str = DEFAULT_EVICTION_POLICY,
-        seed: int | None = None,
-        enable_kv_events: bool = False,
-    ) -> LLMEngine:
-        """Validate the options, load the model and build the engine.
+    def from_options(cls, model: str | Path | LoadedModel | None = None,
+                     **options: Any) -> LLMEngine:
+        """``from_engine_args(EngineArgs(model, **options))``: the options are the fields
+        of :class:`~prefixcache.engine.arg_utils.EngineArgs`, which documents them and
+        their defaults."""
+        return cls.from_engine_args(EngineArgs(model, **options))
 
-        ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
-        Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
-        by engines compared side by side). ``dtype`` (weights and KV cache) defaults to
-        float32, or to the weights' own dtype for a loaded model; a loaded model whose
-        weights are in another dtype than the one asked for is refused.
-        ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
-        prefix-cache block hashes. ``eviction_policy`` (one of
-        :data:`~prefixcache.core.EVICTION_POLICIES`, default ``lru``) decides which free
-        cached block is evicted first; see :mod:`prefixcache.core.eviction`.
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """Load the model and build the engine the (already checked) arguments describe.
 
-        The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
-        ``kv_cache_memory_bytes`` (default 2 GiB: ~2,900 blocks of 16 tokens, ~46k tokens,
-        for SmolLM2-135M in float32), capped at ``max_num_seqs`` full-context sequences.
-        Each step computes at most ``max_num_batched_tokens`` tokens (default 2048, so a
-        2,000-token prompt prefills in one step) for at most ``max_num_seqs`` requests.
-
-        Raises ValueError for an invalid option, FileNotFoundError for a missing model and
+        A loaded model whose weights are in another dtype than the one asked for is
+        refused. Raises ValueError for that, FileNotFoundError for a missing model and
         ValueError naming the model for one that cannot be loaded (not a model, corrupt,
         an unsupported architecture).
         """
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, value in (("enable_prefix_caching", enable_prefix_caching),
-                            ("enable_chunked_prefill", enable_chunked_prefill)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
-        model_config = ModelConfig(model=model_path, dtype=dtype or DEFAULT_DTYPE)
+        model = engine_args.model
         if isinstance(model, LoadedModel):
-            model_config = ModelConfig(dtype=_dtype_of_loaded_model(model, dtype))
-        cache_config = CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            hash_algo=hash_algo,
-            enable_kv_events=enable_kv_events,
-            eviction_policy=eviction_policy,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                                 or not -(2**63) <= seed < 2**63):
-            raise ValueError(f"seed must be a signed 64-bit integer or None, got {seed!r}")
-        loaded = (model if isinstance(model, LoadedModel)
-                  else _load(model_path, model_config.dtype))
-        return cls(loaded, model_config, cache_config, scheduler_config,
-                   seed=seed, hash_seed=hash_seed)
+            loaded = model
+            model_config = ModelConfig(None, _dtype_of_loaded_model(model, engine_args.dtype))
+        else:
+            model_path = None if model is None else str(model)
+            model_config = ModelConfig(model_path, engine_args.dtype or DEFAULT_DTYPE)
+            loaded = _load(model_path, model_config.dtype)
+        return cls(loaded, model_config, engine_args)
 
     # -- requests in and out ------------------------------------------------------------
 

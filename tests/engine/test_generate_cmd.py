@@ -23,7 +23,7 @@ INVALID_UTF8 = b"\xff\xfe bad utf8".decode("utf-8", "surrogateescape")
 def no_model_load(monkeypatch):
     def load(*args, **kwargs):
         pytest.fail("the model was loaded before the options were checked")
-    monkeypatch.setattr(LLMEngine, "from_options", load)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", load)
 
 
 @pytest.mark.parametrize("argv,message", [
