@@ -197,8 +197,14 @@ class AsyncLLM:
                 and self._thread.is_alive())
 
     def get_stats(self) -> EngineStats:
-        """The engine's stats as of the end of the engine loop's last iteration."""
-        return self._stats
+        """The engine's stats as of the end of the engine loop's last iteration, with the
+        event publisher's counters as of now (it sends on a thread of its own)."""
+        stats = copy.copy(self._stats)
+        publisher = self.event_publisher
+        if publisher is not None:
+            stats.kv_events_published = publisher.num_published_batches
+            stats.kv_events_dropped = publisher.num_dropped_batches
+        return stats
 
     async def add_requests(self, requests: Sequence[NewRequest]) -> OutputStream:
         """Add ``requests`` to the engine as one group; returns their output stream.

@@ -14,6 +14,7 @@ requests that finished.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterable
@@ -88,7 +89,8 @@ class LLMEngine:
         self.request_states: dict[str, RequestState] = {}
         # Outputs decided outside a step (aborts) are delivered by the next step().
         self._pending_outputs: list[RequestOutput] = []
-        self._stats = EngineStats()
+        # The counters, kept up to date where they happen; get_stats adds the gauges.
+        self._stats = EngineStats(num_kv_blocks=self.num_kv_blocks)
 
     @classmethod
     def from_options(cls, model: str | Path | LoadedModel | None = None,
@@ -231,6 +233,7 @@ class LLMEngine:
         that got a token or finished in this step (plus pending abort outputs)."""
         outputs = self._pending_outputs
         self._pending_outputs = []
+        self._stats.num_steps += 1
         scheduler_output = self.scheduler.schedule()
         for request in scheduler_output.finished_requests:
             # The scheduler ended it (it outgrew the whole KV pool) and set the status.
@@ -294,26 +297,17 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        """Cumulative counters and current gauges (see :class:`EngineStats`)."""
+        """Cumulative counters and current gauges (see :class:`EngineStats`; the KV
+        event counters are the publisher's, which ``AsyncLLM`` adds)."""
         stats = self._stats
-        cache_stats = self.kv_cache_manager.make_prefix_cache_stats()  # resets on read
-        stats.prefix_cache_queries += cache_stats.queries
-        stats.prefix_cache_hits += cache_stats.hits
-        stats.prefix_cache_preempted_queries += cache_stats.preempted_queries
-        stats.prefix_cache_preempted_hits += cache_stats.preempted_hits
-        return EngineStats(
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            prefix_cache_preempted_queries=stats.prefix_cache_preempted_queries,
-            prefix_cache_preempted_hits=stats.prefix_cache_preempted_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_evictions=self.kv_cache_manager.block_pool.num_evictions,
-            prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage,
-        )
+        # Counts since the last read: the manager resets them.
+        stats.add_prefix_cache_stats(self.kv_cache_manager.make_prefix_cache_stats())
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_evictions = self.kv_cache_manager.block_pool.num_evictions
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_cache_usage = self.kv_cache_manager.usage
+        return copy.copy(stats)
 
     def take_kv_events(self) -> list:
         """Core KV cache events since the last call (empty unless ``enable_kv_events``)."""
