@@ -62,10 +62,11 @@ def model_path(text: str) -> str:
     return text
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineArgs(DeclaredOptions):
     """Everything that configures an :class:`~prefixcache.engine.llm_engine.LLMEngine`,
-    checked once on construction (ValueError naming the option).
+    checked once on construction (ValueError naming the option); frozen, so it stays
+    checked (``dataclasses.replace`` makes a checked copy).
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
     Hugging Face model folder, or a :class:`~prefixcache.model.loader.LoadedModel`
@@ -140,7 +141,7 @@ class EngineArgs(DeclaredOptions):
         False, help="record KV cache events for LLMEngine.take_kv_events")
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVEventsArgs(DeclaredOptions):
     """The server's KV cache events (vLLM-compatible, over ZMQ): ``AsyncLLM`` publishes
     every engine step's events on ``kv_events_endpoint`` when it is set.

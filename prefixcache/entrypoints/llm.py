@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixcache.engine.arg_utils import EngineArgs
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -136,8 +137,12 @@ class LLM:
                 requests.append((index, request_id, text, token_ids, sample_params))
         added: list[str] = []
         try:
-            for _, request_id, text, token_ids, params in requests:
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+            for index, request_id, text, token_ids, params in requests:
+                try:
+                    self.engine.add_request(request_id, token_ids, params, prompt=text)
+                except InvalidRequestError as error:
+                    # Said in the caller's terms: the request id is internal.
+                    raise ValueError(f"prompt {index}: {error.message}") from error
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)

@@ -71,6 +71,10 @@ def test_per_prompt_params_and_errors(llm):
         llm.generate(["a", "b"], SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         llm.generate(["a", []], GREEDY)
+    # The engine's refusal names the prompt, not the internal request id.
+    vocab_size = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=rf"^prompt 1: prompt token {vocab_size} is not a "):
+        llm.generate(["a", [1, vocab_size]], GREEDY)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks
 
