@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from prefixcache.entrypoints.arg_types import port, positive_float, positive_int
+from prefixcache.arg_types import port, positive_float, positive_int
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin")
 INSTALL_HINT = "pip install 'prefixcache[fleet]'"

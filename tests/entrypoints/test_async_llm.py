@@ -4,6 +4,7 @@ resets, failures and event publishing."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
