@@ -29,13 +29,13 @@ from prefixcache.config import (
 )
 from prefixcache.entrypoints.arg_types import byte_size, non_negative_int, port, positive_int
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
+from prefixcache.entrypoints.openai.server_args import ServerArgs, size_text
 
 logger = logging.getLogger("prefixcache.serve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
 BLOCK_HASH_FORMATS = ("int64", "bytes")
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 DESCRIPTION = """\
@@ -50,6 +50,11 @@ served from the prefix cache (with n > 1: per prompt, the least over its n choic
 
 With --api-key-file, every request needs 'Authorization: Bearer <key>' and each key's
 tenant gets its own prefix-cache partition, whatever cache_salt its requests carry.
+/reset_prefix_cache is an operator endpoint: with --admin-api-key only that key may call
+it; with tenants and no admin key, nobody may.
+
+Slow, oversized and hostile requests are refused at the edge (408, 413, 414, 431, 400)
+with the limits below; --max-requests-per-tenant answers 429 with Retry-After.
 """
 
 EPILOG = """\
@@ -58,15 +63,6 @@ examples:
   prefixcache serve ./my-hf-model --port 8080 --served-model-name mine
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
 """
-
-def size_text(num_bytes: int) -> str:
-    """``num_bytes`` as the largest binary unit that divides it (``2GiB``), as
-    ``--kv-cache-memory`` and ``--max-request-body-bytes`` take it."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -89,16 +85,14 @@ def register(subparsers) -> None:
     net.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="lines of 'key tenant': require a listed key and isolate each "
                           "tenant's prefix cache")
-    net.add_argument("--max-request-body-bytes", type=byte_size,
-                     default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="SIZE",
-                     help="larger bodies get 413 "
-                          f"(default: {size_text(DEFAULT_MAX_REQUEST_BODY_BYTES)})")
     net.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                      help="prefixcache's own logs: the ready line, engine failures "
                           "(default: %(default)s)")
     net.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
                      help="uvicorn's own logs, access log included at info "
                           "(default: %(default)s)")
+    ServerArgs.add_cli_args(parser.add_argument_group(
+        "limits, roles and shutdown (every refusal is an OpenAI-style error)"))
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
                      help="dtype of the weights and the KV cache (default: %(default)s)")
@@ -226,14 +220,22 @@ def kv_events_options(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from prefixcache.entrypoints.openai.tenancy import Authenticator, load_api_key_file
+    from prefixcache.entrypoints.openai.tenancy import (
+        Authenticator,
+        load_admin_api_key_file,
+        load_api_key_file,
+    )
 
     names = served_model_names(args)
 
     try:
+        server_args = ServerArgs.from_cli_args(args)
         key_to_tenant = None if args.api_key_file is None else load_api_key_file(
             args.api_key_file)
-        authenticator = Authenticator(key_to_tenant, args.api_key)
+        admin_key = server_args.admin_api_key
+        if server_args.admin_api_key_file is not None:
+            admin_key = load_admin_api_key_file(server_args.admin_api_key_file)
+        authenticator = Authenticator(key_to_tenant, args.api_key, admin_key)
     except (OSError, ValueError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
         return 2
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
               f"{os_error_reason(exc)}", file=sys.stderr)
         return 2
     try:
-        return _run_engine(args, names, authenticator, sockets)
+        return _run_engine(args, names, authenticator, server_args, sockets)
     finally:
         # uvicorn closes them on a clean shutdown; every other way out lands here.
         for sock in sockets:
@@ -253,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
-                sockets: list) -> int:
+                server_args: ServerArgs, sockets: list) -> int:
     import zmq
 
     from prefixcache.engine.async_llm import AsyncLLM
@@ -267,16 +269,17 @@ def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
         print(f"prefixcache serve: cannot open a KV events endpoint: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, names, llm, authenticator, sockets)
+        return _serve(args, names, llm, authenticator, server_args, sockets)
     finally:
         llm.shutdown()
 
 
 def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
-           sockets: list) -> int:
+           server_args: ServerArgs, sockets: list) -> int:
     import uvicorn
 
     from prefixcache.entrypoints.openai.api_server import build_app
+    from prefixcache.entrypoints.openai.http_protocol import h11_buffer_bytes, protocol_factory
     from prefixcache.entrypoints.openai.serving import ModelInfo
     from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
@@ -284,11 +287,18 @@ def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
     model_info = ModelInfo(served_model_names=names, root=str(args.model or DEFAULT_MODEL_NAME),
                            max_model_len=engine.max_model_len,
                            num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
-    app = build_app(llm, engine.tokenizer, model_info, authenticator,
-                    max_body_bytes=args.max_request_body_bytes)
+    app = build_app(llm, engine.tokenizer, model_info, authenticator, server_args)
+    head_bytes = server_args.h11_max_incomplete_event_size
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
-                            access_log=args.uvicorn_log_level in ("debug", "info"))
-    server = UvicornServer(config, model_info, llm)
-    server.run(sockets=sockets)
+                            access_log=args.uvicorn_log_level in ("debug", "info"),
+                            http=protocol_factory(head_bytes,
+                                                  server_args.request_head_timeout),
+                            h11_max_incomplete_event_size=h11_buffer_bytes(head_bytes))
+    server = UvicornServer(config, model_info, llm, app.state.admission,
+                           server_args.shutdown_timeout)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        app.state.tokenizer_pool.shutdown()
     return 0 if server.started else 1
