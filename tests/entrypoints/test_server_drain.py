@@ -15,30 +15,32 @@ SHUTTING_DOWN = {"message": "the server is shutting down", "type": "server_error
                  "param": None, "code": "engine_unavailable"}
 
 
-def stream_lines_after_sigterm(process: ServerProcess, request: dict) -> list[str]:
-    """Start a streamed request, SIGTERM the server once it generates, and return the
-    rest of the stream."""
-    with httpx.Client(base_url=process.url, timeout=120) as client, \
-            client.stream("POST", "/v1/completions", json={**request, "stream": True}) \
-            as stream:
-        lines = (line for line in stream.iter_lines() if line)
-        assert next(lines).startswith('data: {"id":')  # generating
-        process.process.send_signal(signal.SIGTERM)
-        return list(lines)
-
-
-def test_sigterm_lets_a_running_request_finish(tiny_model_dir):
-    process = ServerProcess(tiny_model_dir, "--shutdown-timeout", "60")
+def sigterm_during_a_stream(request: dict, *server_args: str,
+                            model_dir) -> tuple[list[str], str]:
+    """Start a server, a streamed request, SIGTERM the server once it generates; return
+    the rest of the stream and the server's log, after checking its exit was clean."""
+    process = ServerProcess(model_dir, *server_args)
     try:
-        rest = stream_lines_after_sigterm(
-            process, {"model": MODEL_NAME, "prompt": "a", "max_tokens": 120,
-                      "ignore_eos": True})
+        with httpx.Client(base_url=process.url, timeout=120) as client, \
+                client.stream("POST", "/v1/completions",
+                              json={**request, "stream": True}) as stream:
+            lines = (line for line in stream.iter_lines() if line)
+            assert next(lines).startswith('data: {"id":')  # generating
+            process.process.send_signal(signal.SIGTERM)
+            rest = list(lines)
         returncode = process.stop()
     finally:
         process.stop()
     log = "".join(process.log)
     assert returncode == -signal.SIGTERM, log
     assert "Traceback" not in log, log
+    return rest, log
+
+
+def test_sigterm_lets_a_running_request_finish(tiny_model_dir):
+    rest, log = sigterm_during_a_stream(
+        {"model": MODEL_NAME, "prompt": "a", "max_tokens": 120, "ignore_eos": True},
+        "--shutdown-timeout", "60", model_dir=tiny_model_dir)
     assert "draining" in log
     assert rest[-1] == "data: [DONE]"
     last_chunk = json.loads(rest[-2].removeprefix("data: "))
@@ -46,18 +48,10 @@ def test_sigterm_lets_a_running_request_finish(tiny_model_dir):
 
 
 def test_past_the_shutdown_timeout_running_requests_end_with_503(tiny_model_dir):
-    process = ServerProcess(tiny_model_dir, "--shutdown-timeout", "0.5", "--max-num-seqs",
-                            "1")
-    try:
-        # One sequence at a time, 8 x 16 sequences of 500 tokens: minutes of work.
-        rest = stream_lines_after_sigterm(
-            process, {"model": MODEL_NAME, "prompt": ["a"] * 8, "n": 16, "max_tokens": 500})
-        returncode = process.stop()
-    finally:
-        process.stop()
-    log = "".join(process.log)
-    assert returncode == -signal.SIGTERM, log
-    assert "Traceback" not in log, log
+    # One sequence at a time, 8 x 16 sequences of 500 tokens: minutes of work.
+    rest, log = sigterm_during_a_stream(
+        {"model": MODEL_NAME, "prompt": ["a"] * 8, "n": 16, "max_tokens": 500},
+        "--shutdown-timeout", "0.5", "--max-num-seqs", "1", model_dir=tiny_model_dir)
     assert "still in flight; aborting" in log
     error = json.dumps({"error": SHUTTING_DOWN}, separators=(",", ":"))
     assert rest[-2:] == [f"data: {error}", "data: [DONE]"]
