@@ -315,17 +315,37 @@ async def _beside_one_prompt(url: str, model: str, prompt: str, num_good: int) -
     from hostile_load import KEYS, LoadReport
 
     report = LoadReport()
+    health_latencies_s: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def probe_health(until: asyncio.Future) -> None:
+            # The event loop's responsiveness: /health does no work of its own.
+            while not until.done():
+                sent = time.monotonic()
+                await client.get("/health")
+                health_latencies_s.append(time.monotonic() - sent)
+                await asyncio.sleep(0.05)
+
+        idle = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(2.0, idle.set_result, None)
+        await probe_health(idle)
+        idle_health = percentiles(health_latencies_s)
+        health_latencies_s.clear()
         start = time.monotonic()
         big = asyncio.ensure_future(client.post(
             "/v1/completions", headers={"Authorization": f"Bearer {KEYS['carol']}"},
             json={"model": model, "prompt": prompt, "max_tokens": 1}))
+        prober = asyncio.ensure_future(probe_health(big))
         while not big.done():
             await asyncio.gather(*(well_behaved(client, model, float("inf"), report, i,
                                                 max_requests=1) for i in range(num_good)))
         response = await big
+        await prober
     return {"prompt_bytes": len(prompt), "status": response.status_code,
             "answered_after_s": round(time.monotonic() - start, 3),
+            "health_idle_s": idle_health,
+            "health_meanwhile_s": {**percentiles(health_latencies_s),
+                                   "max": round(max(health_latencies_s, default=0), 4)},
             "well_behaved_s": percentiles(report.well_behaved_latencies_s),
             "well_behaved_failures": len(report.well_behaved_failures)}
 
