@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import httpx
 
 KEYS = {"alice": "key-alice", "bob": "key-bob", "carol": "key-carol"}
+# Idle connections are dropped by the client before the server's 5 s keep-alive timeout
+# closes them: at equal timeouts a reused connection can be closed under the request.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 def key_file_text() -> str:
@@ -141,7 +144,8 @@ async def run_mixed_load(url: str, model: str, duration_s: float, num_clients: i
     num_invalid = (num_clients - num_good - num_flood) // 2
     num_vanish = num_clients - num_good - num_flood - num_invalid
     deadline = time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=num_clients + 4)
+    limits = httpx.Limits(max_connections=num_clients + 4,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         tasks = [well_behaved(client, model, deadline, report, i) for i in range(num_good)]
         tasks += [flooding(client, model, deadline, report) for _ in range(num_flood)]
@@ -156,7 +160,8 @@ async def well_behaved_alone(url: str, model: str, num_requests_per_client: int,
                              num_clients: int) -> LoadReport:
     """The well-behaved clients with nobody else: the unloaded reference."""
     report = LoadReport()
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         await asyncio.gather(*(well_behaved(client, model, float("inf"), report, i,
                                             max_requests=num_requests_per_client)
                                for i in range(num_clients)))
