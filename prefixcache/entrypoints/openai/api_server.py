@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
-from prefixcache.engine.output_stream import EngineDeadError
+from prefixcache.engine.errors import EngineDeadError
 from prefixcache.entrypoints.openai.admission import Admission
 from prefixcache.entrypoints.openai.errors import (
     APIError,
@@ -166,29 +166,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     ``app.state.tokenizer_pool`` its worker pool (the caller may shut it down)."""
     authenticator = authenticator or Authenticator()
     server_args = server_args or ServerArgs()
-    publisher = llm.event_publisher
-
-    def read_engine() -> dict[str, Any]:
-        stats = llm.get_stats()
-        return {
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_preempted_queries": stats.prefix_cache_preempted_queries,
-            "prefix_cache_preempted_hits": stats.prefix_cache_preempted_hits,
-            "prompt_tokens": stats.prompt_tokens,
-            "generation_tokens": stats.generation_tokens,
-            "num_preemptions": stats.num_preemptions,
-            "num_evictions": stats.num_evictions,
-            "engine_steps": llm.num_steps,
-            "kv_events_published": getattr(publisher, "num_published_batches", 0),
-            "kv_events_dropped": getattr(publisher, "num_dropped_batches", 0),
-            "num_requests_running": stats.num_running,
-            "num_requests_waiting": stats.num_waiting,
-            "kv_cache_usage_perc": stats.kv_cache_usage,
-            "num_kv_blocks": model_info.num_kv_blocks,
-        }
-
-    metrics = ServerMetrics(read_engine)
+    metrics = ServerMetrics(llm.get_stats)
     admission = Admission(authenticator.tenants, server_args.max_requests_per_tenant,
                           metrics.registry)
     tokenizer_pool = TokenizerPool(server_args.tokenizer_pool_size)

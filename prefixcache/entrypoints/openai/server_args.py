@@ -16,11 +16,12 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from prefixcache.entrypoints.arg_types import (
+from prefixcache.arg_types import (
     byte_size,
     non_negative_float,
     positive_float,
     positive_int,
+    size_text,
 )
 
 
@@ -118,11 +119,3 @@ class ServerArgs:
                 if value is not None and value < 1:
                     raise ValueError(f"{option.name} must be at least 1, got {value}")
 
-
-def size_text(num_bytes: int) -> str:
-    """``num_bytes`` as the largest binary unit that divides it (``2GiB``), as
-    ``--kv-cache-memory`` and the size options take it."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
