@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from prefixcache.engine.async_llm import AsyncLLM
-from prefixcache.entrypoints.openai.admission import Admission
+from prefixcache.engine.stats import EngineStats
+from prefixcache.entrypoints.openai.admission import Admission, TenantStats
 from prefixcache.entrypoints.openai.api_server import build_app
 from prefixcache.entrypoints.openai.errors import APIError
 from prefixcache.entrypoints.openai.limits import (
@@ -19,6 +20,7 @@ from prefixcache.entrypoints.openai.limits import (
     check_prompt_bytes,
     json_nesting_depth,
 )
+from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from prefixcache.entrypoints.openai.server_args import ServerArgs
 from prefixcache.entrypoints.openai.serving import ModelInfo
@@ -118,10 +120,8 @@ def test_server_args_round_trip_through_the_command_line():
 
 
 def test_admission_limits_each_tenant_and_drains():
-    from prometheus_client import CollectorRegistry
-
     async def scenario() -> None:
-        admission = Admission(("alice", "bob"), 4, CollectorRegistry())
+        admission = Admission(("alice", "bob"), 4)
         first = admission.admit("alice", 3)
         with pytest.raises(APIError) as info:
             admission.admit("alice", 2)
@@ -140,6 +140,30 @@ def test_admission_limits_each_tenant_and_drains():
         assert await admission.wait_idle(1)
 
     asyncio.run(scenario())
+
+
+def test_tenant_stats_are_counted_and_exposed_per_tenant():
+    admission = Admission(("alice", "bob"), 2)
+    metrics = ServerMetrics(EngineStats)
+    metrics.add_stats(TenantStats, lambda: admission.tenant_to_stats, label="tenant")
+    held = admission.admit("alice", 2)
+    with pytest.raises(APIError):
+        admission.admit("alice", 1)
+    admission.admit("bob", 1).release()
+    admission.admit(None, 5).release()  # open mode: no tenant, no tenant figures
+    assert admission.tenant_to_stats == {
+        "alice": TenantStats(requests_admitted=1, requests_rejected=1, num_requests=2),
+        "bob": TenantStats(requests_admitted=1, requests_rejected=0, num_requests=0)}
+    text = metrics.render().decode()
+    for line in ('prefixcache:tenant_requests_admitted_total{tenant="alice"} 1.0',
+                 'prefixcache:tenant_requests_rejected_total{tenant="alice"} 1.0',
+                 'prefixcache:tenant_num_requests{tenant="alice"} 2.0',
+                 'prefixcache:tenant_requests_admitted_total{tenant="bob"} 1.0',
+                 'prefixcache:tenant_num_requests{tenant="bob"} 0.0'):
+        assert line in text.splitlines(), line
+    assert "# TYPE prefixcache:tenant_num_requests gauge" in text
+    held.release()
+    assert 'prefixcache:tenant_num_requests{tenant="alice"} 0.0' in metrics.render().decode()
 
 
 class BlockingTokenizer:

@@ -9,12 +9,10 @@ is refused with
   ones alike, so one tenant cannot fill the engine's queue and delay every other tenant;
 * **503** once the server is draining (``--shutdown-timeout`` after SIGTERM).
 
-Per-tenant figures go to ``/metrics``, one series per tenant of the key file (a bounded
-label set: tenants are never taken from requests)::
-
-    prefixcache:tenant_requests_admitted_total{tenant}   counter  API requests admitted
-    prefixcache:tenant_requests_rejected_total{tenant}   counter  refused with 429
-    prefixcache:tenant_num_requests{tenant}              gauge    engine requests held now
+Per-tenant figures are declared once, as the fields of :class:`TenantStats` (as the
+engine's are in :class:`~prefixcache.engine.stats.EngineStats`); ``/metrics`` shows each
+as ``prefixcache:<metric>{tenant="..."}``, one series per tenant of the key file (a
+bounded label set: tenants are never taken from requests).
 """
 
 from __future__ import annotations
@@ -22,20 +20,34 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
+from prefixcache.engine.stats import COUNTER, GAUGE, stat
 from prefixcache.entrypoints.openai.errors import APIError
 
-PREFIX = "prefixcache:"
 RETRY_AFTER_S = 1
 
 
 @dataclass(slots=True)
+class TenantStats:
+    """One tenant's admission figures: counters since the server started, and the engine
+    requests it holds now."""
+
+    requests_admitted: int = stat(
+        COUNTER, "API requests admitted, by tenant.", metric="tenant_requests_admitted")
+    requests_rejected: int = stat(
+        COUNTER, "API requests refused with 429 (the tenant's limit), by tenant.",
+        metric="tenant_requests_rejected")
+    num_requests: int = stat(
+        GAUGE, "Engine requests (running, waiting or being prepared) a tenant holds now.",
+        metric="tenant_num_requests")
+
+
+@dataclass(slots=True)
 class Ticket:
-    """One admitted request's hold on its tenant's share; ``release`` is idempotent."""
+    """One admitted request's hold on its tenant's share (``tenant_stats`` None: a request
+    of no tenant); ``release`` is idempotent."""
 
     admission: Admission
-    tenant: str | None
+    tenant_stats: TenantStats | None
     num_requests: int
     is_released: bool = False
 
@@ -48,57 +60,41 @@ class Ticket:
 class Admission:
     """The admission gate of one server (see the module docstring).
 
-    ``tenants`` are the key file's (empty in open mode, where only draining applies).
+    ``tenants`` are the key file's (empty in open mode, where only draining applies); a
+    request admitted for a tenant names one of them.
     """
 
-    def __init__(self, tenants: tuple[str, ...], max_requests_per_tenant: int | None,
-                 registry: CollectorRegistry) -> None:
+    def __init__(self, tenants: tuple[str, ...], max_requests_per_tenant: int | None) -> None:
         self.max_requests_per_tenant = max_requests_per_tenant
-        self.tenant_to_num_requests: dict[str | None, int] = {t: 0 for t in tenants}
+        self.tenant_to_stats = {tenant: TenantStats() for tenant in tenants}
         self.num_tickets = 0
         self.is_draining = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._admitted = Counter(PREFIX + "tenant_requests_admitted",
-                                 "API requests admitted, by tenant.", labelnames=("tenant",),
-                                 registry=registry)
-        self._rejected = Counter(PREFIX + "tenant_requests_rejected",
-                                 "API requests refused with 429 (the tenant's limit), by tenant.",
-                                 labelnames=("tenant",), registry=registry)
-        self._held = Gauge(PREFIX + "tenant_num_requests",
-                           "Engine requests (running, waiting or being prepared) a tenant "
-                           "holds now.", labelnames=("tenant",), registry=registry)
-        for tenant in tenants:  # present from the start, so rates work at zero
-            self._admitted.labels(tenant=tenant)
-            self._rejected.labels(tenant=tenant)
-            self._held.labels(tenant=tenant)
 
     def admit(self, tenant: str | None, num_requests: int) -> Ticket:
         """A ticket for ``num_requests`` engine requests of ``tenant``, or APIError 429 /
         503 (checked first: a draining server admits nobody)."""
         if self.is_draining:
             raise APIError(503, "the server is shutting down", code="engine_unavailable")
-        held = self.tenant_to_num_requests.get(tenant, 0)
-        limit = self.max_requests_per_tenant
-        if tenant is not None and limit is not None and held + num_requests > limit:
-            self._rejected.labels(tenant=tenant).inc()
-            raise TooManyRequests(
-                f"tenant '{tenant}' has {held} requests running or waiting; this one "
-                f"would add {num_requests}, past its limit of {limit}")
-        self.tenant_to_num_requests[tenant] = held + num_requests
+        stats = None if tenant is None else self.tenant_to_stats[tenant]
+        if stats is not None:
+            held, limit = stats.num_requests, self.max_requests_per_tenant
+            if limit is not None and held + num_requests > limit:
+                stats.requests_rejected += 1
+                raise TooManyRequests(
+                    f"tenant '{tenant}' has {held} requests running or waiting; this one "
+                    f"would add {num_requests}, past its limit of {limit}")
+            stats.requests_admitted += 1
+            stats.num_requests = held + num_requests
         self.num_tickets += 1
         self._idle.clear()
-        if tenant is not None:
-            self._admitted.labels(tenant=tenant).inc()
-            self._held.labels(tenant=tenant).set(held + num_requests)
-        return Ticket(self, tenant, num_requests)
+        return Ticket(self, stats, num_requests)
 
     def _release(self, ticket: Ticket) -> None:
-        held = self.tenant_to_num_requests[ticket.tenant] - ticket.num_requests
-        self.tenant_to_num_requests[ticket.tenant] = held
+        if ticket.tenant_stats is not None:
+            ticket.tenant_stats.num_requests -= ticket.num_requests
         self.num_tickets -= 1
-        if ticket.tenant is not None:
-            self._held.labels(tenant=ticket.tenant).set(held)
         if self.num_tickets == 0:
             self._idle.set()
 

@@ -40,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
 from prefixcache.engine.errors import EngineDeadError
-from prefixcache.entrypoints.openai.admission import Admission
+from prefixcache.entrypoints.openai.admission import Admission, TenantStats
 from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -167,8 +167,8 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     authenticator = authenticator or Authenticator()
     server_args = server_args or ServerArgs()
     metrics = ServerMetrics(llm.get_stats)
-    admission = Admission(authenticator.tenants, server_args.max_requests_per_tenant,
-                          metrics.registry)
+    admission = Admission(authenticator.tenants, server_args.max_requests_per_tenant)
+    metrics.add_stats(TenantStats, lambda: admission.tenant_to_stats, label="tenant")
     tokenizer_pool = TokenizerPool(server_args.tokenizer_pool_size)
     serving = OpenAIServing(llm, tokenizer, model_info, metrics, tokenizer_pool)
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
