@@ -23,12 +23,12 @@ from prefixcache.core import (
     KVCacheManager,
     Request,
 )
-from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
-from prefixcache.core.request import RequestStatus
-from prefixcache.core.scored_free_queue import (
+from prefixcache.core.eviction.scored import (
     GroupedScoredFreeBlockQueue,
     ScoredFreeBlockQueue,
 )
+from prefixcache.core.eviction.segmented import TwoSegmentFreeBlockQueue
+from prefixcache.core.request import RequestStatus
 from tests.core.helpers import snapshot
 
 BLOCK_SIZE = 4
