@@ -60,8 +60,8 @@ class FreeKVCacheBlockQueue:
     queue and taken out only while it is in; the pool guarantees both through ``ref_cnt``.
 
     A registered policy sets ``policy_name``, the name the registry knows it by, and
-    ``summary``, its one-line description for help texts. This class itself is the LRU
-    behaviour every policy starts from; the registry's ``lru`` is it, by name.
+    ``summary``, its one-line description for help texts. This class is the LRU behaviour
+    every policy starts from; the registry's ``lru`` (``lru.py``) only names it.
     """
 
     __slots__ = ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail")
