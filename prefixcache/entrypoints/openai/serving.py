@@ -14,6 +14,7 @@ it is about rather than the internal request id.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from prefixcache.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
+from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -123,18 +125,20 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
+        # Large prompts are tokenized off the event loop (see worker_pool).
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
     # ---- endpoints ---------------------------------------------------------------------
 
     async def create_completion(self, request: CompletionRequest,
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
-        model, prompts_token_ids, max_tokens = self.prepare_completion(request)
+        model, prompts_token_ids, max_tokens = await self.prepare_completion(request)
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "cmpl", model, arrival_time)
         if request.stream:
@@ -151,7 +155,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, cache_salt: str | None
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
-        model, prompts_token_ids, max_tokens = self.prepare_chat(request)
+        model, prompts_token_ids, max_tokens = await self.prepare_chat(request)
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "chatcmpl", model, arrival_time)
         if request.stream:
@@ -175,36 +179,39 @@ class OpenAIServing:
                            f"serves {', '.join(names)}", param="model", code="model_not_found")
         return requested
 
-    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
-                       ) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
+                             ) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        return encode_text_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
+        return await self.tokenizer_pool.run(len(prompt), functools.partial(
+            encode_text_prompt, self.tokenizer, prompt, add_special_tokens=add_special_tokens))
 
-    def _render_chat(self, request: ChatTemplateFields) -> list[int]:
-        return render_chat_prompt(
-            self.tokenizer, request.chat_messages(),
+    async def _render_chat(self, request: ChatTemplateFields) -> list[int]:
+        messages = request.chat_messages()
+        num_chars = sum(len(message.get("content") or "") for message in messages)
+        return await self.tokenizer_pool.run(num_chars, functools.partial(
+            render_chat_prompt, self.tokenizer, messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             add_special_tokens=request.add_special_tokens,
             chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs)
+            chat_template_kwargs=request.chat_template_kwargs))
 
     # ---- shared with the tokenization endpoints (serving_tokenization) -----------------
 
-    def prepare_completion(self, request: CompletionRequest) -> PreparedPrompts:
+    async def prepare_completion(self, request: CompletionRequest) -> PreparedPrompts:
         """The model name, the prompts' token ids and ``max_tokens`` a completion request
         runs with: what ``create_completion`` sends to the engine."""
         model = self._check_model(request.model)
-        prompts_token_ids = [self._encode_prompt(p, request.add_special_tokens)
+        prompts_token_ids = [await self._encode_prompt(p, request.add_special_tokens)
                              for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         return PreparedPrompts(model, prompts_token_ids, max_tokens)
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> PreparedPrompts:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedPrompts:
         """As ``prepare_completion``, for a chat request (one prompt)."""
         model = self._check_model(request.model)
-        prompt_token_ids = self._render_chat(request)
+        prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:

@@ -32,7 +32,6 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from prefixcache.entrypoints.openai.errors import bad_request
-from prefixcache.entrypoints.openai.prompt_inputs import encode_text_prompt
 from prefixcache.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatTemplateFields,
@@ -104,15 +103,14 @@ class OpenAIServingTokenization:
         self.serving = serving
         self.tokenizer = serving.tokenizer
 
-    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
-                 ) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
+                       ) -> TokenizeResponse:
         serving = self.serving
         serving._check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            token_ids = serving._render_chat(request)
+            token_ids = await serving._render_chat(request)
         else:
-            token_ids = encode_text_prompt(self.tokenizer, request.prompt,
-                                           add_special_tokens=request.add_special_tokens)
+            token_ids = await serving._encode_prompt(request.prompt, request.add_special_tokens)
         token_strs = None
         if request.return_token_strs:
             token_strs = [self.tokenizer.backend.id_to_token(t) or "" for t in token_ids]
@@ -120,7 +118,7 @@ class OpenAIServingTokenization:
                                 max_model_len=serving.model_info.max_model_len,
                                 tokens=token_ids, token_strs=token_strs)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.serving._check_model(request.model)
         vocab_size = self.tokenizer.vocab_size
         for index, token_id in enumerate(request.tokens):
@@ -129,12 +127,12 @@ class OpenAIServingTokenization:
                                   f"model (0 .. {vocab_size - 1})", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
 
-    def render_completion(self, request: CompletionRequest) -> list[RenderedRequest]:
-        prepared = self.serving.prepare_completion(request)
+    async def render_completion(self, request: CompletionRequest) -> list[RenderedRequest]:
+        prepared = await self.serving.prepare_completion(request)
         return self._rendered(request, prepared)
 
-    def render_chat(self, request: ChatCompletionRequest) -> RenderedRequest:
-        prepared = self.serving.prepare_chat(request)
+    async def render_chat(self, request: ChatCompletionRequest) -> RenderedRequest:
+        prepared = await self.serving.prepare_chat(request)
         return self._rendered(request, prepared)[0]
 
     def _rendered(self, request: GenerationRequest, prepared: PreparedPrompts
