@@ -36,7 +36,10 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
         for family, address in addresses:
             if sockets and port == 0:  # the rest follow the port the first one picked
                 address = (address[0], sockets[0].getsockname()[1], *address[2:])
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on connections whose
+            # socket says it is TCP, and without it a response's body waits ~40 ms behind
+            # its head (Nagle against the client's delayed ACK) on keep-alive connections.
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             sockets.append(sock)
             # asyncio's condition: elsewhere (Windows) it would let another steal the port.
             if os.name == "posix" and sys.platform != "cygwin":
