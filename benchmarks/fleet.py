@@ -1,12 +1,12 @@
 """Replicas behind vllm-router, per policy, against one replica with the same total KV.
 Prints JSON.
 
-Workload (a generator, not a trace): ``--documents`` distinct documents of about
+Workload (a generator, not a trace): ``--documents`` distinct documents of
 ``--document-words`` words each, then ``--questions`` follow-up questions per document
 (the document followed by its own short question). All documents go out at once, then all
 follow-ups, shuffled, from ``--concurrency`` clients: the shape of many users asking
 about their own documents at the same time. Each request is a completion with
-``max_tokens`` 1, so its latency is its time to first token.
+``max_tokens`` 1, so its latency is its time to first token, i.e. its prefill.
 
 Per setup (``kv_aware``, ``cache_aware``, ``round_robin`` with ``--replicas`` replicas via
 ``prefixcache fleet``'s own router command; ``one_replica`` with ``--replicas`` times the KV
@@ -14,22 +14,30 @@ blocks, no router): token hit rate (cached prompt tokens / prompt tokens, over e
 request), the share of follow-ups that hit their document (cached >= its full blocks but
 one), TTFT p50/p99 of follow-ups, requests per second over the whole run, and each
 replica's share of prompt tokens (and the largest share over the fair one). Then the
-tokenization endpoints' cost: ``/v1/completions/render`` latency against a full request's
-at the longest prompt the model takes (``--render-tokens``).
+tokenization endpoints' cost on one replica: ``/v1/completions/render`` latency against a
+whole uncached request with the same ``--render-tokens``-token text prompt.
 
-The default model is the tiny random test model (built offline in a temp folder): two
-shared cores cannot run SmolLM2 replicas fast enough for many concurrent documents.
+The model is the default SmolLM2 (real prefill cost, so TTFT shows what the cache saves);
+each replica runs ``--threads-per-replica`` torch threads. ``--tiny`` uses the tiny random
+test model instead (built offline in a temp folder; prefill costs almost nothing there).
+The clients set TCP_NODELAY, as vllm-router's do: without it a small POST waits ~40 ms
+for a delayed ACK, which would swamp the render cost measured here.
 
-Example (the figures in docs/benchmarks.md)::
+Example (the figures in docs/benchmarks.md; about 10 minutes on 2 shared cores)::
 
-    python benchmarks/fleet.py --documents 24 --questions 3 --concurrency 8
+    python benchmarks/fleet.py --documents 12 --document-words 200 --questions 2 \
+        --concurrency 6 --render-tokens 2000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
+import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +50,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from prefixcache.config import DEFAULT_MODEL_NAME  # noqa: E402
 from prefixcache.entrypoints.fleet import (  # noqa: E402
     Part,
     ReplicaAddress,
@@ -50,8 +59,14 @@ from prefixcache.entrypoints.fleet import (  # noqa: E402
     wait_until_healthy,
 )
 
-MODEL_NAME = "tiny"
 BLOCK_SIZE = 16
+# What vllm-router's HTTP client does; see the module docstring.
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+
+def client(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=1800,
+                        transport=httpx.HTTPTransport(socket_options=NODELAY))
 WORDS = ("fox", "dog", "breeze", "leaves", "children", "prefix", "blocks", "tokens", "salts",
          "tenants", "requests", "value", "key", "world", "hello", "gentle", "quick", "lazy")
 
@@ -61,13 +76,13 @@ def documents(num: int, num_words: int, rng: random.Random) -> list[str]:
             for i in range(num)]
 
 
-def start_replicas(model_dir: Path, num: int, num_blocks: int) -> tuple[list, list]:
-    import re
-
+def start_replicas(model: Path | None, model_name: str, num: int, num_blocks: int
+                   ) -> tuple[list, list]:
     parts, addresses = [], []
     for index in range(num):
-        command = [sys.executable, "-m", "prefixcache", "serve", str(model_dir),
-                   "--served-model-name", MODEL_NAME, "--block-size", str(BLOCK_SIZE),
+        command = [sys.executable, "-m", "prefixcache", "serve",
+                   *([str(model)] if model else []),
+                   "--served-model-name", model_name, "--block-size", str(BLOCK_SIZE),
                    "--num-kv-blocks", str(num_blocks), "--host", "127.0.0.1", "--port", "0",
                    "--kv-events-endpoint", "tcp://127.0.0.1:*",
                    "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"]
@@ -75,7 +90,7 @@ def start_replicas(model_dir: Path, num: int, num_blocks: int) -> tuple[list, li
     pattern = re.compile(r"at (http://\S+) .*KV events on (tcp://[^,]+), replay on "
                          r"(tcp://[^)]+)\)")
     for part in parts:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while True:
             match = next((pattern.search(line) for line in part.lines
                           if pattern.search(line)), None)
@@ -95,20 +110,19 @@ def prompt_tokens(url: str) -> float:
     return 0.0
 
 
-def run_workload(url: str, docs: list[str], questions: int, concurrency: int,
-                 rng: random.Random, doc_tokens: list[int]) -> dict:
+def run_workload(url: str, model_name: str, docs: list[str], questions: int,
+                 concurrency: int, rng: random.Random, doc_tokens: list[int]) -> dict:
     def send(prompt: str) -> tuple[float, dict]:
         start = time.perf_counter()
-        response = client.post("/v1/completions", json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        response = http.post("/v1/completions", json={
+            "model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0})
         response.raise_for_status()
         return time.perf_counter() - start, response.json()["usage"]
 
     follow_ups = [(d, f"{docs[d]} Question {q}: which {rng.choice(WORDS)} comes first?")
                   for d in range(len(docs)) for q in range(questions)]
     rng.shuffle(follow_ups)
-    with httpx.Client(base_url=url, timeout=600) as client, \
-            ThreadPoolExecutor(concurrency) as pool:
+    with client(url) as http, ThreadPoolExecutor(concurrency) as pool:
         began = time.perf_counter()
         first = list(pool.map(send, docs))
         second = list(pool.map(send, [p for _, p in follow_ups]))
@@ -127,23 +141,26 @@ def run_workload(url: str, docs: list[str], questions: int, concurrency: int,
             "requests_per_s": round(len(usages) / elapsed, 2)}
 
 
-def render_cost(url: str, num_tokens: int, repeats: int = 10) -> dict:
-    prompt = [10 + i % 300 for i in range(num_tokens)]  # ids the tiny vocabulary has
-    with httpx.Client(base_url=url, timeout=600) as client:
+def render_cost(url: str, model_name: str, num_tokens: int, repeats: int = 3) -> dict:
+    """Median latency of ``/v1/completions/render`` and of the whole request (uncached:
+    each repeat is a new text), for a text prompt of about ``num_tokens`` tokens."""
+    rng = random.Random(1)
+    renders, requests = [], []
+    with client(url) as http:
         def timed(path: str, body: dict) -> float:
             start = time.perf_counter()
-            client.post(path, json=body).raise_for_status()
+            http.post(path, json=body).raise_for_status()
             return time.perf_counter() - start
-        renders, requests = [], []
+
+        words = " ".join(rng.choice(WORDS) for _ in range(num_tokens))
+        num_prompt_tokens = http.post("/tokenize", json={"prompt": words}).json()["count"]
         for index in range(repeats):
-            unique = [prompt[0] + index + 1, *prompt[1:]]  # no prefix hit: a full prefill
-            renders.append(timed("/v1/completions/render",
-                                 {"model": MODEL_NAME, "prompt": unique, "max_tokens": 1}))
-            requests.append(timed("/v1/completions",
-                                  {"model": MODEL_NAME, "prompt": unique, "max_tokens": 1}))
+            body = {"model": model_name, "prompt": f"{index} {words}", "max_tokens": 1}
+            renders.append(timed("/v1/completions/render", body))
+            requests.append(timed("/v1/completions", body))
     render_ms = 1000 * statistics.median(renders)
     request_ms = 1000 * statistics.median(requests)
-    return {"prompt_tokens": num_tokens, "render_p50_ms": round(render_ms, 2),
+    return {"prompt_tokens": num_prompt_tokens, "render_p50_ms": round(render_ms, 2),
             "request_p50_ms": round(request_ms, 2),
             "render_share_of_request": round(render_ms / request_ms, 4)}
 
@@ -151,51 +168,59 @@ def render_cost(url: str, num_tokens: int, repeats: int = 10) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--blocks-per-replica", type=int, default=256)
-    parser.add_argument("--documents", type=int, default=24)
-    parser.add_argument("--document-words", type=int, default=60)
-    parser.add_argument("--questions", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--render-tokens", type=int, default=500)
+    parser.add_argument("--blocks-per-replica", type=int, default=512)
+    parser.add_argument("--documents", type=int, default=12)
+    parser.add_argument("--document-words", type=int, default=200)
+    parser.add_argument("--questions", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--render-tokens", type=int, default=2000)
+    parser.add_argument("--threads-per-replica", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny random test model instead of SmolLM2")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.entrypoints.tiny_model import build_tiny_model
+    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_replica)  # inherited by replicas
 
     results: dict = {"workload": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        model, model_name = None, DEFAULT_MODEL_NAME
+        if args.tiny:
+            from tests.entrypoints.tiny_model import build_tiny_model
+
+            model, model_name = build_tiny_model(Path(tmp) / "tiny"), "tiny"
         docs = documents(args.documents, args.document_words, random.Random(args.seed))
         setups = [("one_replica", 1, args.replicas * args.blocks_per_replica)]
         setups += [(policy, args.replicas, args.blocks_per_replica)
                    for policy in ("kv_aware", "cache_aware", "round_robin")]
         for name, num_replicas, num_blocks in setups:
-            parts, addresses = start_replicas(model_dir, num_replicas, num_blocks)
+            parts, addresses = start_replicas(model, model_name, num_replicas, num_blocks)
             router = None
             try:
                 url = addresses[0].url
-                doc_tokens = [httpx.post(f"{url}/tokenize", json={"prompt": d}).json()["count"]
-                              for d in docs]
-                if name != "one_replica":
+                with client(url) as http:
+                    doc_tokens = [http.post("/tokenize", json={"prompt": d}).json()["count"]
+                                  for d in docs]
+                if name == "one_replica":
+                    results["tokenization"] = render_cost(url, model_name, args.render_tokens)
+                else:
                     url = f"http://127.0.0.1:{free_port()}"
                     router = Part.start("router", router_command(
                         addresses, policy=name, host="127.0.0.1",
                         port_number=int(url.rsplit(":", 1)[1]), prometheus_port=free_port(),
-                        block_size=BLOCK_SIZE, served_model_name=MODEL_NAME))
+                        block_size=BLOCK_SIZE, served_model_name=model_name))
                     if not wait_until_healthy(url, time.monotonic() + 120):
                         raise RuntimeError("the router never became healthy")
-                result = run_workload(url, docs, args.questions, args.concurrency,
-                                      random.Random(args.seed), doc_tokens)
+                result = run_workload(url, model_name, docs, args.questions,
+                                      args.concurrency, random.Random(args.seed), doc_tokens)
                 loads = [prompt_tokens(a.url) for a in addresses]
                 shares = [load / sum(loads) for load in loads]
                 result["prompt_token_share_per_replica"] = [round(s, 3) for s in shares]
                 result["largest_share_over_fair"] = round(max(shares) * num_replicas, 3)
-                if name == "kv_aware":
-                    results["tokenization"] = render_cost(addresses[0].url, args.render_tokens)
                 results[name] = result
+                print(json.dumps({name: result}), file=sys.stderr, flush=True)
             finally:
                 if router is not None:
-                    router.stop()
+                    router.stop(signal.SIGTERM)
                 for part in parts:
                     part.stop()
         one = results["one_replica"]["token_hit_rate"]
