@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from tests.entrypoints.conftest import MODEL_NAME
+from tests.entrypoints.conftest import (
+    MODEL_NAME,
+    SERVER_ARGS,
+    ServerProcess,
+    assert_clean_exit,
+)
 
 TEXT = "Prefix caching reuses the key and value blocks of prompts that share a prefix."
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
@@ -106,3 +112,50 @@ def test_not_json_is_a_400(http):
                          headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
+
+
+API_KEY = "tokenization-test-key"
+MAX_PROMPT_BYTES = 1024
+ENDPOINT_TO_BODY = {
+    "/tokenize": {"model": MODEL_NAME, "prompt": TEXT},
+    "/detokenize": {"model": MODEL_NAME, "tokens": [1, 2, 3]},
+    "/v1/completions/render": {"model": MODEL_NAME, "prompt": TEXT, "max_tokens": 1},
+    "/v1/chat/completions/render": {"model": MODEL_NAME, "messages": MESSAGES},
+}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model_dir):
+    process = ServerProcess(tiny_model_dir, *SERVER_ARGS, "--api-key", API_KEY,
+                            "--max-prompt-bytes", str(MAX_PROMPT_BYTES))
+    yield process
+    assert_clean_exit(process)
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINT_TO_BODY))
+def test_tokenization_endpoints_need_the_api_key(keyed_server, path):
+    body = ENDPOINT_TO_BODY[path]
+    with httpx.Client(base_url=keyed_server.url, timeout=60) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+            refused = anonymous.post(path, json=body, headers=headers)
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+        accepted = anonymous.post(path, json=body,
+                                  headers={"Authorization": f"Bearer {API_KEY}"})
+        assert accepted.status_code == 200, accepted.text
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions/render",
+                                  "/v1/chat/completions/render"])
+def test_tokenization_endpoints_take_the_prompt_size_limit(keyed_server, path):
+    huge = "x" * (MAX_PROMPT_BYTES + 1)
+    body = dict(ENDPOINT_TO_BODY[path])
+    if "messages" in body:
+        body["messages"] = [{"role": "user", "content": huge}]
+    else:
+        body["prompt"] = huge
+    with httpx.Client(base_url=keyed_server.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "prompt_too_large"
