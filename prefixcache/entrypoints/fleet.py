@@ -139,13 +139,21 @@ def parse_serve_args(serve_args: list[str]) -> ServeSettings:
         if flag in FLEET_OWNED_SERVE_FLAGS:
             raise ValueError(f"{flag} is set by the fleet for each replica; see "
                              "--replica-host, --replica-base-port and --kv-events-base-port")
+    from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
+    from prefixcache.entrypoints.openai.server_args import ServerArgs
+
     parser = argparse.ArgumentParser(prog="prefixcache fleet")
     serve_cmd.register(parser.add_subparsers())
     args = parser.parse_args(["serve", *serve_args])
-    if args.log_level not in ("debug", "info"):
+    # What serve checks after parsing, so a bad value fails here, before anything starts.
+    server_args = ServerArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    KVEventsArgs.from_cli_args(args)
+    if server_args.log_level not in ("debug", "info"):
         raise ValueError("the fleet reads each replica's ready line: use --log-level info "
                          "or debug for the replicas")
-    return ServeSettings(serve_cmd.served_model_names(args)[0], args.block_size)
+    names = serve_cmd.served_model_names(server_args, engine_args.model)
+    return ServeSettings(names[0], engine_args.block_size)
 
 
 @dataclass(frozen=True, slots=True)
