@@ -174,7 +174,7 @@ class BlockingTokenizer:
         self.may_finish = threading.Event()
         self.encode_threads: list[str] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encode_threads.append(threading.current_thread().name)
         if len(text) >= INLINE_MAX_CHARS:
             assert self.may_finish.wait(30), "never released"
