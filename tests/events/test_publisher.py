@@ -229,26 +229,6 @@ def test_replay_from_a_dealer_ends_with_minus_one(publisher):
     assert [decode_batch(frames[3]).ts for frames in messages[:-1]] == [1.0, 2.0, 3.0]
 
 
-def test_replay_answers_carry_the_topic():
-    with ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, topic="kv@m") as pub:
-        pub.publish(_step_records(0), ts=0.0)
-        _wait_for(lambda: pub.num_published_batches == 1, "1 batch sent")
-        context = zmq.Context()
-        dealer = context.socket(zmq.DEALER)
-        try:
-            dealer.connect(pub.replay_endpoint)
-            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-            messages = []
-            for _ in range(2):
-                assert dealer.poll(int(DEADLINE_S * 1000)), "replay did not answer"
-                messages.append(dealer.recv_multipart())
-        finally:
-            dealer.close(linger=0)
-            context.term()
-    assert [frames[1] for frames in messages] == [b"kv@m", b"kv@m"]
-    assert [seq_from_bytes(frames[2]) for frames in messages] == [0, -1]
-
-
 def test_a_malformed_replayed_batch_is_counted_and_skipped(publisher):
     """A replay answer whose payload does not decode is dropped like a bad live message,
     and the batches around it still arrive."""
