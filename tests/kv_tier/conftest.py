@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.kv_tier.redis_server import NO_REDIS_REASON, RedisServer, find_redis_server
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test (skipped, saying why, when there is none)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip(NO_REDIS_REASON)
+    server = RedisServer(binary, tmp_path)
+    yield server
+    server.stop()
