@@ -21,6 +21,7 @@ from prefixcache.arg_types import (
     byte_size,
     int_in_range,
     non_negative_int,
+    positive_float,
     positive_int,
     size_text,
 )
@@ -46,6 +47,12 @@ from prefixcache.engine.option_fields import (
     is_str,
     option,
 )
+from prefixcache.kv_tier import (
+    ADMISSION_POLICIES,
+    DEFAULT_WRITE_QUEUE_BYTES,
+    kv_tier_url_problem,
+    unshareable_hash_seed_reason,
+)
 
 if TYPE_CHECKING:
     from prefixcache.model.loader import LoadedModel
@@ -53,6 +60,23 @@ if TYPE_CHECKING:
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
 BLOCK_HASH_FORMATS = ("int64", "bytes")
+
+
+def kv_tier_url(text: str) -> str:
+    """A ``--kv-tier`` value on the command line (checked, not connected to)."""
+    problem = kv_tier_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def is_kv_tier_url(value: Any) -> bool:
+    return isinstance(value, str) and kv_tier_url_problem(value) is None
+
+
+def is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and 0 < value < float("inf")
 
 
 def model_path(text: str) -> str:
@@ -140,6 +164,51 @@ class EngineArgs(DeclaredOptions):
         help="seed of the prefix-cache block hashes")
     enable_kv_events: bool = option(
         False, help="record KV cache events for LLMEngine.take_kv_events")
+    kv_tier: str | None = option(
+        None, "--kv-tier", accepts=is_kv_tier_url,
+        wanted="redis://HOST:PORT/DB or disk:/PATH", parse=kv_tier_url, metavar="URL",
+        default_text="none, only the in-process cache",
+        help="a second KV tier behind the block pool: redis://HOST:PORT/DB (Redis or "
+             "Valkey, shared by every replica pointed at it) or disk:/PATH (a local "
+             "directory that outlives restarts). Prefix blocks missing locally are loaded "
+             "from it instead of recomputed; computed blocks are written to it in the "
+             "background. Needs reproducible block hashes (see docs/kv-tier.md)")
+    kv_tier_max_bytes: int | None = option(
+        None, "--kv-tier-max-size", accepts=is_positive_int, wanted="a positive integer",
+        parse=byte_size, metavar="SIZE", default_text="unbounded",
+        help="bound a disk tier, e.g. 20GiB; least recently used blocks are deleted "
+             "first (a Redis tier is bounded by the server's maxmemory)")
+    kv_tier_admission: str = option(
+        "always", "--kv-tier-admission", choices=ADMISSION_POLICIES,
+        help="which computed blocks are written to the tier: always, or seen-twice (a "
+             "block used a second time, so one-off prompts never reach it)")
+    kv_tier_write_queue_bytes: int = option(
+        DEFAULT_WRITE_QUEUE_BYTES, "--kv-tier-write-queue-size", accepts=is_positive_int,
+        wanted="a positive integer", parse=byte_size, metavar="SIZE",
+        default_text=size_text(DEFAULT_WRITE_QUEUE_BYTES),
+        help="most bytes of blocks waiting to be written to the tier; past it, blocks "
+             "are dropped (counted), never waited for")
+    kv_tier_timeout: float = option(
+        1.0, "--kv-tier-timeout", accepts=is_positive_number, wanted="a positive number",
+        parse=positive_float, metavar="SECONDS",
+        help="how long a tier call may take; a failure or timeout is a miss, and the "
+             "tier is left alone for a few seconds")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_tier is None:
+            if self.kv_tier_max_bytes is not None:
+                raise ValueError("kv_tier_max_bytes (--kv-tier-max-size) needs a kv_tier")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_tier (--kv-tier) needs prefix caching on")
+        reason = unshareable_hash_seed_reason(self.hash_algo, self.hash_seed)
+        if reason is not None:
+            raise ValueError(reason)
+        if self.kv_tier_max_bytes is not None and not self.kv_tier.startswith("disk:"):
+            raise ValueError("kv_tier_max_bytes (--kv-tier-max-size) bounds a disk tier; "
+                             "bound a Redis/Valkey tier with the server's maxmemory and "
+                             "maxmemory-policy allkeys-lru")
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ class _Reset:
     abort_running: bool
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
+    reset_kv_tier: bool = False
 
 
 @dataclass(slots=True)
@@ -130,10 +131,11 @@ class AsyncLLM:
 
     ``engine`` must follow ``LLMEngine``'s contract (``add_request``, ``abort_request``,
     ``step``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``,
-    ``take_kv_events``); in particular the next step reports each aborted request's
-    final output, and ``add_request`` refuses its id until then. ``event_publisher``
-    receives each step's KV events (and the AsyncLLM closes it on shutdown); None
-    publishes nothing. The engine loop starts in the constructor.
+    ``take_kv_events``, ``close``, called once the loop has stopped); in particular the
+    next step reports each aborted request's final output, and ``add_request`` refuses
+    its id until then. ``event_publisher`` receives each step's KV events (and the
+    AsyncLLM closes it on shutdown); None publishes nothing. The engine loop starts in
+    the constructor.
     """
 
     def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
@@ -250,7 +252,8 @@ class AsyncLLM:
         if request_ids:
             self._commands.put(_Abort(list(request_ids), stream))
 
-    async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False) -> bool:
+    async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False,
+                                 reset_kv_tier: bool = False) -> bool:
         """Drop every cached block that no request holds; True if the cache is now empty.
 
         - default: try now; False if running requests hold blocks.
@@ -260,11 +263,13 @@ class AsyncLLM:
           finished, then the reset happens and the held requests are admitted. This
           cannot starve under steady load, and waits as long as the longest running
           request.
+        - ``reset_kv_tier``: a successful reset also deletes this engine's blocks from
+          its KV tier (which other replicas may share).
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._put_command(_Reset(wait, abort_running, loop, done))
+        self._put_command(_Reset(wait, abort_running, loop, done, reset_kv_tier))
         return await done
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -280,6 +285,8 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()  # the KV tier's queued writes
         if self.event_publisher is not None:
             with self._publish_lock:
                 self._publisher_closed = True
@@ -412,7 +419,7 @@ class AsyncLLM:
         if command.wait and self.engine.has_unfinished_requests():
             self._reset_waiters.append(command)  # one reset serves everyone waiting
             return
-        success = bool(self.engine.reset_prefix_cache())
+        success = bool(self.engine.reset_prefix_cache(command.reset_kv_tier))
         _resolve(command.loop, command.done, result=success)
 
     def _maybe_finish_pending_reset(self) -> None:
@@ -420,7 +427,8 @@ class AsyncLLM:
         if not self._reset_waiters or self.engine.has_unfinished_requests():
             return
         waiters, self._reset_waiters = self._reset_waiters, []
-        success = bool(self.engine.reset_prefix_cache())
+        success = bool(self.engine.reset_prefix_cache(
+            any(waiter.reset_kv_tier for waiter in waiters)))
         for waiter in waiters:
             _resolve(waiter.loop, waiter.done, result=success)
 

@@ -34,8 +34,11 @@ from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
+from prefixcache.kv_tier import KVTier, open_backend
+from prefixcache.kv_tier.engine_link import offer_step_blocks
 from prefixcache.model.loader import LoadedModel, load_model
 from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
+from prefixcache.worker.kv_transfer import kv_layout
 from prefixcache.worker.model_runner import ModelRunner
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
@@ -78,7 +81,9 @@ class LLMEngine:
             enable_events=cache_config.enable_kv_events,
             eviction_policy=cache_config.eviction_policy,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.kv_tier = _open_kv_tier(engine_args, loaded_model, self.kv_cache_manager, dtype) \
+            if engine_args.kv_tier is not None else None
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_tier)
         self.runner = ModelRunner(
             loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
         )
@@ -250,8 +255,12 @@ class LLMEngine:
             request = scheduled.request
             state = states[request.request_id]
             if state.num_cached_tokens is None:  # first admission
-                state.num_cached_tokens = scheduled.num_hit_tokens
+                state.num_cached_tokens = scheduled.num_hit_tokens + \
+                    scheduled.num_external_tokens
                 self._stats.prompt_tokens += request.num_prompt_tokens
+                if self.kv_tier is not None and not request.skip_reading_prefix_cache:
+                    self._stats.external_prefix_cache_queries += request.num_tokens
+                    self._stats.external_prefix_cache_hits += scheduled.num_external_tokens
             sequences.append(ScheduledSequence(
                 request.request_id, scheduled.token_ids, scheduled.start_position,
                 scheduled.block_ids, scheduled.needs_logits,
@@ -259,16 +268,22 @@ class LLMEngine:
             if scheduled.needs_logits:
                 sampling_states.append(state)
         try:
+            self._write_external_blocks(scheduler_output)
             logits = self.runner.execute(sequences)
         except Exception as error:  # noqa: BLE001 - reported on every request of the step
             message = f"model execution failed: {type(error).__name__}: {error}"
             for scheduled in scheduler_output.scheduled:
-                # Blocks scheduled full this step were cached already: no KV behind them.
-                self.kv_cache_manager.uncache_uncomputed(scheduled.request,
-                                                         scheduled.start_position)
+                # Blocks scheduled full this step were cached already: no KV behind them
+                # (nor, to be safe, behind blocks that were to be loaded from the tier).
+                self.kv_cache_manager.uncache_uncomputed(
+                    scheduled.request,
+                    scheduled.start_position - scheduled.num_external_tokens)
                 outputs.append(self._finish(scheduled.request.request_id,
                                             RequestStatus.FINISHED_ERROR, message))
             return
+        if self.kv_tier is not None:
+            offer_step_blocks(self.kv_tier, scheduler_output.scheduled, self.block_size,
+                              self.runner.read_kv_blocks)
         token_ids = self.sampler.sample(
             logits, [s.params for s in sampling_states], [s.generator for s in sampling_states]
         )
@@ -282,6 +297,14 @@ class LLMEngine:
             else:
                 outputs.append(self._finish(state.request.request_id, status))
 
+    def _write_external_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Copy the blocks the scheduler loaded from the KV tier into the KV cache."""
+        external_blocks = [block for scheduled in scheduler_output.scheduled
+                           for block in scheduled.external_blocks]
+        if external_blocks:
+            self.runner.write_kv_blocks([block.block_id for block in external_blocks],
+                                        [block.payload for block in external_blocks])
+
     def _finish(self, request_id: str, status: RequestStatus,
                 error: str | None = None) -> RequestOutput:
         state = self.request_states.pop(request_id)
@@ -291,10 +314,21 @@ class LLMEngine:
 
     # -- cache and stats --------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
         """Forget every cached block; False (and nothing changed) while requests hold
-        blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        blocks. With ``reset_kv_tier``, a successful reset also deletes this engine's
+        blocks (its layout's) from the KV tier, which other replicas share."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if reset_kv_tier and self.kv_tier is not None:
+            self.kv_tier.clear()
+        return True
+
+    def close(self) -> None:
+        """Write the KV tier's queued blocks (a few seconds at most) and release it. The
+        engine needs no other cleanup; calling it twice is harmless."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def get_stats(self) -> EngineStats:
         """Cumulative counters and current gauges (see :class:`EngineStats`; the KV
@@ -307,6 +341,8 @@ class LLMEngine:
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_manager.usage
+        if self.kv_tier is not None:
+            stats.add_kv_tier_stats(self.kv_tier.stats)
         return copy.copy(stats)
 
     def take_kv_events(self) -> list:
@@ -314,6 +350,18 @@ class LLMEngine:
         if not self.cache_config.enable_kv_events:
             return []
         return self.kv_cache_manager.take_events()
+
+
+def _open_kv_tier(engine_args: EngineArgs, loaded_model: LoadedModel,
+                  kv_cache_manager: KVCacheManager, dtype: torch.dtype) -> KVTier:
+    """The KV tier ``engine_args.kv_tier`` names, keyed by this engine's KV layout."""
+    hasher = kv_cache_manager.block_hasher
+    layout = kv_layout(loaded_model.model, loaded_model.arch_config,
+                       kv_cache_manager.block_size, dtype, hasher.hash_algo, hasher.none_hash)
+    backend = open_backend(engine_args.kv_tier, max_bytes=engine_args.kv_tier_max_bytes,
+                           timeout_s=engine_args.kv_tier_timeout)
+    return KVTier(backend, layout, admission=engine_args.kv_tier_admission,
+                  write_queue_bytes=engine_args.kv_tier_write_queue_bytes)
 
 
 def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:

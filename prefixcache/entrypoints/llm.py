@@ -100,9 +100,14 @@ class LLM:
             prompts.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(prompts, sampling_params, use_tqdm)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. between benchmark runs)."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
+        """Forget every cached block (e.g. between benchmark runs); with
+        ``reset_kv_tier``, this engine's blocks in its KV tier too."""
+        return self.engine.reset_prefix_cache(reset_kv_tier)
+
+    def close(self) -> None:
+        """Write the KV tier's queued blocks and release it (nothing else to release)."""
+        self.engine.close()
 
     def get_stats(self) -> EngineStats:
         """The engine's counters and gauges (see :class:`EngineStats`)."""

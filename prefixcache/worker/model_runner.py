@@ -22,6 +22,7 @@ from prefixcache.model.attention_metadata import (
 )
 from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.llama import LlamaForCausalLM
+from prefixcache.worker import kv_transfer
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
 # One layer of SmolLM2-135M shapes (float32, 2 threads): cascade decode attention broke even
@@ -92,6 +93,14 @@ class ModelRunner:
             return torch.empty(0, self.arch_config.vocab_size)
         inputs = self.build_step_inputs(sequences)
         return self.model(inputs.input_ids, self.kv_caches, inputs.metadata, inputs.logits_indices)
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""
+        return kv_transfer.read_kv_blocks(self.kv_caches, block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence) -> None:
+        """Fill ``block_ids`` with KV tier payloads, before a step that reads them."""
+        kv_transfer.write_kv_blocks(self.kv_caches, block_ids, payloads)
 
     def build_step_inputs(self, sequences: Sequence[ScheduledSequence]) -> StepInputs:
         """Derive token ids, positions, slot mapping and per-sequence key slots.

@@ -100,7 +100,7 @@ class FakeEngine:
         self.events.append(f"step{len(self.step_batches)}")
         return outputs
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
         if self.running:
             return False
         self.num_resets += 1
@@ -114,6 +114,9 @@ class FakeEngine:
     def take_kv_events(self):
         events, self.events = self.events, []
         return events
+
+    def close(self) -> None:
+        self.is_closed = True
 
 
 class RecordingPublisher:

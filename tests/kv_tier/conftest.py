@@ -14,3 +14,6 @@ def redis_server(tmp_path):
     server = RedisServer(binary, tmp_path)
     yield server
     server.stop()
+
+
+from tests.torch_threads import single_torch_thread  # noqa: E402, F401 - an autouse fixture

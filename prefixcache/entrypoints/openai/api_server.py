@@ -5,8 +5,9 @@ generation request: body size (413) -> API key (401) -> JSON and fields (400) ->
 (404) -> lengths against the model (400) -> the engine (400 if it refuses).
 
 ``/health`` and ``/metrics`` need no key (probes and scrapers); everything else does when
-keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait`` and
-``abort_running`` (``true``/``false``) with AsyncLLM's meanings and answers
+keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait``,
+``abort_running`` and ``reset_kv_tier`` (``true``/``false``) with AsyncLLM's meanings and
+answers
 ``{"success": bool}``.
 
 Once the engine has stopped (the server is shutting down, see ``uvicorn_server``, or the
@@ -274,7 +275,9 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
         authenticate(raw_request)
         wait = _query_flag(raw_request, "wait")
         abort_running = _query_flag(raw_request, "abort_running")
-        success = await llm.reset_prefix_cache(wait=wait, abort_running=abort_running)
+        reset_kv_tier = _query_flag(raw_request, "reset_kv_tier")
+        success = await llm.reset_prefix_cache(wait=wait, abort_running=abort_running,
+                                               reset_kv_tier=reset_kv_tier)
         return JSONResponse({"success": success})
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)

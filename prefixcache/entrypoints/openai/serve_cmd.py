@@ -32,7 +32,7 @@ Serve a model over an OpenAI-compatible HTTP API with automatic prefix caching.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, n, max_tokens,
 temperature, top_p, seed, stop, cache_salt), GET /v1/models, GET /health, GET /metrics
-(Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true].
+(Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true|reset_kv_tier=true].
 
 Every response's usage.prompt_tokens_details.cached_tokens counts the prompt tokens
 served from the prefix cache (with n > 1: per prompt, the least over its n choices).
