@@ -3,11 +3,14 @@
 ``submit`` never blocks and never fails: a value that would push the queued bytes past
 ``max_queued_bytes`` is dropped and counted, so a slow or dead tier costs the engine
 nothing but the copy it already made. One daemon thread drains the queue in batches of
-up to ``MAX_BATCH`` values per backend call (one pipeline round trip for Redis).
+up to ``MAX_BATCH`` values per backend call (one pipeline round trip for Redis). When the
+interpreter exits, what is still queued gets a few seconds to be written (a one-shot
+``prefixcache generate`` would otherwise lose its last blocks).
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections import deque
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from prefixcache.kv_tier.backend import KVTierBackend
 
 MAX_BATCH = 16
+EXIT_FLUSH_SECONDS = 5.0
 
 
 class BackgroundWriter:
@@ -56,6 +60,7 @@ class BackgroundWriter:
                 self._thread = threading.Thread(target=self._run, name="kv-tier-writer",
                                                 daemon=True)
                 self._thread.start()
+                atexit.register(self.flush, EXIT_FLUSH_SECONDS)
             self._condition.notify()
         return True
 
@@ -79,6 +84,7 @@ class BackgroundWriter:
             self._condition.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            atexit.unregister(self.flush)
 
     def _run(self) -> None:
         while True:
