@@ -1,8 +1,8 @@
 """prefixcache: an LLM inference engine built around automatic prefix caching.
 
-``from prefixcache import LLM, SamplingParams, RequestOutput, LoRARequest``. They are imported lazily,
-so importing a torch-free part of the package (``prefixcache.core``, the CLI's ``--help``)
-does not load torch.
+``from prefixcache import LLM, SamplingParams, RequestOutput, LoRARequest``. They are
+imported lazily, so importing a torch-free part of the package (``prefixcache.core``, the
+CLI's ``--help``) does not load torch.
 """
 
 from __future__ import annotations

@@ -48,9 +48,11 @@ _REFUSED_UNLESS = {
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LoRAAdapter:
-    """One loaded adapter (compared and hashed by identity). ``weights[(layer_index, module)]`` is ``(A [r, in_features],
-    B [out_features, r])`` with the scaling already folded into B, in the model's dtype;
-    every targeted module has weights in every layer. ``rank`` is the largest r."""
+    """One loaded adapter, compared and hashed by identity.
+
+    ``weights[(layer_index, module)]`` is ``(A [r, in_features], B [out_features, r])``
+    with the scaling already folded into B, in the model's dtype; every targeted module has
+    weights in every layer. ``rank`` is the largest r."""
 
     lora_request: LoRARequest
     rank: int
