@@ -336,9 +336,9 @@ class LLMEngine:
         return self._lora_registry_or_raise().add(lora_request)
 
     def remove_lora(self, lora_name: str) -> LoRARequest:
-        """Forget adapter ``lora_name``; requests already using it finish with it, and its
-        cached KV blocks stay until evicted (no new request can hit them under another
-        adapter: the name is in their hashes). Raises LoRANotFoundError for an unknown
+        """Forget adapter ``lora_name``; requests already using it finish with it. Its
+        cached KV blocks stay until evicted, keyed by the name, so the name can come back
+        only for the same adapter (path and id). Raises LoRANotFoundError for an unknown
         name."""
         return self._lora_registry_or_raise().remove(lora_name)
 

@@ -3,7 +3,8 @@
 Names: every adapter the engine has seen (from a request or :meth:`LoRARegistry.add`)
 keeps its ``LoRARequest`` until :meth:`LoRARegistry.remove`; a request naming it with
 another path or id is refused, so one name always means one set of weights (it is the key
-that keeps cached KV apart).
+that keeps cached KV apart). That holds after removal too: a removed name may come back
+only with its old path and id, since KV blocks cached under it may still be in the pool.
 
 Memory: loaded adapters are kept in a least-recently-used cache. An adapter that some
 unfinished request uses is *pinned* (:meth:`acquire` / :meth:`release`) and never
@@ -41,6 +42,8 @@ class LoRARegistry:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.name_to_request: dict[str, LoRARequest] = {}
+        # Removed adapters: their names stay bound to them (cached KV is keyed by name).
+        self._removed_name_to_request: dict[str, LoRARequest] = {}
         # Loaded adapters, least recently used first.
         self._name_to_adapter: OrderedDict[str, LoRAAdapter] = OrderedDict()
         # Pinned adapters (by identity: a removed name may come back with new weights while
@@ -69,6 +72,7 @@ class LoRARegistry:
         if lora_request is None:
             raise LoRANotFoundError(lora_name, "no adapter of that name is loaded")
         self._name_to_adapter.pop(lora_name, None)
+        self._removed_name_to_request[lora_name] = lora_request
         return lora_request
 
     def list_requests(self) -> list[LoRARequest]:
@@ -126,6 +130,12 @@ class LoRARegistry:
                 raise LoRAError(name, f"the name is already used with lora_int_id "
                                       f"{known.lora_int_id}, not {lora_request.lora_int_id}")
             return True
+        removed = self._removed_name_to_request.get(name)
+        if removed is not None and (removed.lora_path, removed.lora_int_id) != \
+                (lora_request.lora_path, lora_request.lora_int_id):
+            raise LoRAError(name, f"the name was used for {removed.lora_path} (lora_int_id "
+                                  f"{removed.lora_int_id}) until removed, and KV cached "
+                                  "under it may remain: give another adapter another name")
         for other in self.name_to_request.values():
             if other.lora_int_id == lora_request.lora_int_id:
                 raise LoRAError(name, f"lora_int_id {lora_request.lora_int_id} is already "

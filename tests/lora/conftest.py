@@ -21,14 +21,16 @@ ADAPTER_A_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 ADAPTER_B_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def save_random_adapter(base_dir, adapter_dir, *, targets, r, alpha, use_rslora=False,
+def save_random_adapter(base, adapter_dir, *, targets, r, alpha, use_rslora=False,
                         seed=0, std=0.15):
-    """Build a PEFT LoRA adapter for the model in `base_dir` with random A and B, save
-    it to `adapter_dir` and return the folder."""
+    """Build a PEFT LoRA adapter with random A and B for `base` (a transformers model, or
+    the folder of one; a model is changed in place by peft), save it to `adapter_dir` and
+    return the folder."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if not isinstance(base, torch.nn.Module):
+        base = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
                         use_rslora=use_rslora, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, config)
