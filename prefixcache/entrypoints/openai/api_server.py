@@ -7,7 +7,9 @@ generation request: body size (413) -> API key (401) -> JSON and fields (400) ->
 ``/health`` and ``/metrics`` need no key (probes and scrapers); everything else does when
 keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait`` and
 ``abort_running`` (``true``/``false``) with AsyncLLM's meanings and answers
-``{"success": bool}``.
+``{"success": bool}``. ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``) answer vLLM's plain-text success
+line, or an error: 404 for an unknown adapter or a missing folder, 400 otherwise.
 
 Once the engine has stopped (the server is shutting down, see ``uvicorn_server``, or the
 engine failed), whatever needs it answers 503 ``engine_unavailable``: a request in flight
@@ -43,11 +45,13 @@ from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from prefixcache.entrypoints.openai.serving import EventStream, ModelInfo, OpenAIServing
 from prefixcache.entrypoints.openai.tenancy import Authenticator, AuthError, Principal
+from prefixcache.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +194,15 @@ async def _unless_client_leaves(raw_request: Request, work: Any) -> Any:
 
 def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
               authenticator: Authenticator | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The server's ASGI app over a running AsyncLLM (which the caller shuts down)."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              lora_modules: tuple[LoRARequest, ...] = (),
+              enable_lora: bool = False) -> FastAPI:
+    """The server's ASGI app over a running AsyncLLM (which the caller shuts down).
+    ``lora_modules``: adapters already loaded into its engine; ``enable_lora``: whether
+    the engine serves adapters (the load/unload endpoints answer 400 otherwise)."""
     authenticator = authenticator or Authenticator()
     metrics = ServerMetrics(llm.get_stats)
-    serving = OpenAIServing(llm, tokenizer, model_info, metrics)
+    serving = OpenAIServing(llm, tokenizer, model_info, metrics, lora_modules, enable_lora)
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
@@ -253,11 +261,24 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     @app.get("/v1/models")
     async def models(raw_request: Request) -> Response:
         authenticate(raw_request)
-        created = int(time.time())
-        cards = [ModelCard(id=name, created=created, root=model_info.root,
-                           max_model_len=model_info.max_model_len)
-                 for name in model_info.served_model_names]
+        cards = serving.model_cards(int(time.time()))
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    # Operator actions: any valid key may call them until the server has an operator role.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        authenticate(raw_request)
+        body = await _parse_body(raw_request, LoadLoRAAdapterRequest)
+        message = await serving.load_lora_adapter(body.lora_name, body.lora_path,
+                                                  body.load_inplace)
+        return Response(message, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        authenticate(raw_request)
+        body = await _parse_body(raw_request, UnloadLoRAAdapterRequest)
+        message = await serving.unload_lora_adapter(body.lora_name)
+        return Response(message, media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:

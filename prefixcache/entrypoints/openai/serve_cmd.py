@@ -14,6 +14,7 @@ the already-listening sockets.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -21,6 +22,7 @@ from prefixcache.arg_types import byte_size, port, size_text
 from prefixcache.config import DEFAULT_MODEL_NAME
 from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
+from prefixcache.lora.modules import lora_module, number_lora_modules
 
 logger = logging.getLogger("prefixcache.serve")
 
@@ -39,6 +41,12 @@ served from the prefix cache (with n > 1: per prompt, the least over its n choic
 
 With --api-key-file, every request needs 'Authorization: Bearer <key>' and each key's
 tenant gets its own prefix-cache partition, whatever cache_salt its requests carry.
+
+With --enable-lora, a request whose "model" is a LoRA adapter's name runs with that
+adapter; /v1/models lists the adapters (parent: the base model), and
+POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+POST /v1/unload_lora_adapter {"lora_name"} change them at run time. Adapters never share
+cached KV blocks with each other or with the base model.
 """
 
 EPILOG = """\
@@ -46,6 +54,7 @@ examples:
   prefixcache serve                                   # the default SmolLM2-135M-Instruct
   prefixcache serve ./my-hf-model --port 8080 --served-model-name mine
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
+  prefixcache serve ./my-hf-model --max-loras 4 --lora-modules sql=./sql poet=./poet
 """
 
 
@@ -77,6 +86,12 @@ def register(subparsers) -> None:
     net.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
                      help="uvicorn's own logs, access log included at info "
                           "(default: %(default)s)")
+    net.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                     metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT folders) to serve from the start, each as "
+                          "NAME=PATH or JSON {\"name\": ..., \"path\": ...}; clients ask "
+                          "for one by its NAME as the model; implies --enable-lora "
+                          "(default: none)")
     EngineArgs.add_cli_args(parser, positional=("model",))
     KVEventsArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -113,6 +128,18 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.entrypoints.openai.tenancy import Authenticator, load_api_key_file
 
     names = served_model_names(args)
+    try:
+        lora_modules = number_lora_modules(args.lora_modules or ())
+    except ValueError as exc:
+        print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 2
+    clashes = [m.lora_name for m in lora_modules if m.lora_name in names]
+    if clashes:
+        print(f"prefixcache serve: LoRA adapter name {clashes[0]!r} is also a served model "
+              "name", file=sys.stderr)
+        return 2
+    if lora_modules:
+        args.enable_lora = True
 
     try:
         key_to_tenant = None if args.api_key_file is None else load_api_key_file(
@@ -129,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
               f"{os_error_reason(exc)}", file=sys.stderr)
         return 2
     try:
-        return _run_engine(args, names, authenticator, sockets)
+        return _run_engine(args, names, authenticator, sockets, tuple(lora_modules))
     finally:
         # uvicorn closes them on a clean shutdown; every other way out lands here.
         for sock in sockets:
@@ -137,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
-                sockets: list) -> int:
+                sockets: list, lora_modules: tuple) -> int:
     import zmq
 
     from prefixcache.engine.async_llm import AsyncLLM
@@ -152,13 +179,19 @@ def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
         print(f"prefixcache serve: cannot open a KV events endpoint: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, names, llm, authenticator, sockets)
+        for lora_request in lora_modules:
+            try:
+                asyncio.run(llm.add_lora(lora_request))
+            except ValueError as exc:  # a LoRAError: missing folder, bad adapter
+                print(f"prefixcache serve: {exc}", file=sys.stderr)
+                return 2
+        return _serve(args, names, llm, authenticator, sockets, lora_modules)
     finally:
         llm.shutdown()
 
 
 def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
-           sockets: list) -> int:
+           sockets: list, lora_modules: tuple) -> int:
     import uvicorn
 
     from prefixcache.entrypoints.openai.api_server import build_app
@@ -170,7 +203,8 @@ def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
                            max_model_len=engine.max_model_len,
                            num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
     app = build_app(llm, engine.tokenizer, model_info, authenticator,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes,
+                    lora_modules=lora_modules, enable_lora=args.enable_lora)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
                             access_log=args.uvicorn_log_level in ("debug", "info"))
