@@ -116,3 +116,45 @@ def test_lora_request_is_exported():
     assert (request.lora_name, request.lora_int_id, request.lora_path) == \
         ("x", 3, "/some/folder")
     assert request.adapter_id == 3
+
+
+def test_cascade_decode_with_adapters_equals_peft(tiny_model_dir, lora_a, lora_b, hf_models):
+    """Requests of one adapter sharing a prompt start decode with cascade attention over
+    their shared blocks (the base's and B's same-text requests share no blocks with A's:
+    the adapter is in the block hashes); tokens still equal transformers+peft's."""
+    shared = [5, 17, 42, 99, 7, 3, 25, 11, 64, 8, 12, 33]  # 3 blocks of 4
+    suffixes = [[47, 2], [18, 20, 77], [9, 31]]
+    engine = LLMEngine.from_options(str(tiny_model_dir), enable_lora=True, max_loras=2,
+                                    num_kv_blocks=128, block_size=4)
+    engine.runner.min_shared_prefix_tokens = 4
+    num_groups = []
+    build = engine.runner.build_step_inputs
+
+    def recording_build(sequences):
+        inputs = build(sequences)
+        num_groups.append(len(inputs.metadata.decode_shared_prefixes))
+        return inputs
+
+    engine.runner.build_step_inputs = recording_build
+    by_name = {None: None, "adapter-a": lora_a, "adapter-b": lora_b}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS)
+    # The first of each adapter caches the shared blocks; the rest then hit them.
+    for name, lora in by_name.items():
+        engine.add_request(f"{name}-warm", shared + [1], params, lora_request=lora)
+    while engine.has_unfinished_requests():
+        engine.step()
+    keys = []
+    for name, lora in by_name.items():
+        for index, suffix in enumerate(suffixes):
+            engine.add_request(f"{name}-{index}", shared + suffix, params, lora_request=lora)
+            keys.append((f"{name}-{index}", name, shared + suffix))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    assert max(num_groups) == 3  # one group per adapter (and the base) in one step
+    for request_id, name, prompt in keys:
+        assert finals[request_id].num_cached_tokens == 12
+        assert finals[request_id].token_ids == \
+            hf_greedy(hf_models[name], prompt, NUM_NEW_TOKENS), request_id
