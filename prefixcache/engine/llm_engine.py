@@ -206,18 +206,22 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}",
                 "prompt",
             )
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(request_id, f"lora_request must be a LoRARequest, "
+                                      f"got {type(lora_request).__name__}", "lora_request")
+        request = Request(
+            request_id, prompt_token_ids, cache_salt=cache_salt,
+            lora_name=None if lora_request is None else lora_request.lora_name,
+            lora_path=None if lora_request is None else lora_request.lora_path,
+            lora_id=None if lora_request is None else lora_request.lora_int_id,
+        )
         adapter = None
         if lora_request is not None:
             try:
+                # Pinned from here on: released when the request finishes, or just below.
                 adapter = self._lora_registry_or_raise().acquire(lora_request)
             except LoRAError as error:
                 raise InvalidRequestError(request_id, str(error), "lora_request") from error
-            request = Request(request_id, prompt_token_ids, cache_salt=cache_salt,
-                              lora_name=lora_request.lora_name,
-                              lora_path=lora_request.lora_path,
-                              lora_id=lora_request.lora_int_id)
-        else:
-            request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
         try:
             # Refused if the prompt alone can never fit the pool; max_tokens is not
             # counted (see above). The id cannot clash: it was checked above.
