@@ -1,24 +1,24 @@
 """The model's active adapters and the batched LoRA deltas of one step.
 
 Up to ``max_loras`` adapters are *active*: their weights are stacked, per layer and per
-projection of the model, into one pair of matrices. The model's projections are fused
-(``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up), so an adapter's
-columns for a fused projection are its parts' A rows side by side, and its B is block
-diagonal, each part's B placed at that part's output rows::
+projection of the model. The model's projections are fused (``qkv_proj`` holds q, k and
+v; ``gate_up_proj`` holds gate and up), and share their input, so one matrix holds the A
+of every active adapter and targeted part, and each part has its own B stack::
 
-    A_t [in_features, C]    the A of every active adapter and targeted part, transposed
-    B_t [C, out_features]   their scaled B, each block at its part's rows, zero elsewhere
+    A_t [in_features, C]     columns grouped by part, then by slot: C = sum of the ranks
+    B_t[part] [C_part, out_part]   the scaled B of each slot targeting the part
 
-where C is the sum of the ranks. Column c belongs to the adapter in slot
-``column_slots[c]``. For a step whose tokens use slots ``token_slots`` [T] (-1: the base
-model), each token must see only its own adapter's columns, so with
-``mask[t, c] = (token_slots[t] == column_slots[c])``::
+Column c belongs to the adapter in slot ``column_slots[c]``. For a step whose tokens use
+slots ``token_slots`` [T] (-1: the base model), each token must see only its own
+adapter's columns, so with ``mask[t, c] = (token_slots[t] == column_slots[c])``::
 
-    out += ((x @ A_t) * mask) @ B_t
+    shrunk = (x @ A_t) * mask                              [T, C]
+    out[:, part rows] += shrunk[:, part columns] @ B_t[part]
 
-Three matmul-sized kernels per projection whatever the mix of adapters in the step, in
+A few matmul-sized kernels per projection whatever the mix of adapters in the step, in
 prefill (T rows) and decode alike; a base-model token's mask row is all zeros, so its
-output is exactly the base model's.
+output is exactly the base model's. Every token pays for the ranks of all active
+adapters (the mask zeroes the others), the price of needing no per-adapter gather.
 """
 
 from __future__ import annotations
@@ -41,11 +41,23 @@ PROJECTION_PARTS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAPartStack:
+    """One part's B stack within a projection: output rows `[out_start, out_end)`, columns
+    `[column_start, column_end)` of the shrunk activations."""
+
+    out_start: int
+    out_end: int
+    column_start: int
+    column_end: int
+    b_t: torch.Tensor  # [column_end - column_start, out_end - out_start]
+
+
+@dataclass(frozen=True, slots=True)
 class LoRAStack:
     """One layer's stacked weights for one projection (see the module docstring)."""
 
     a_t: torch.Tensor  # [in_features, C]
-    b_t: torch.Tensor  # [C, out_features]
+    parts: tuple[LoRAPartStack, ...]
 
 
 class LoRALayerStep:
@@ -63,7 +75,8 @@ class LoRALayerStep:
         """`out` [T, out_features] plus each token's adapter delta for `projection`
         (``"qkv_proj"``, ``"o_proj"``, ``"gate_up_proj"`` or ``"down_proj"``), computed
         from the projection's input `x` [T, in_features]; `out` itself if no active
-        adapter targets it. Returns a new tensor: `out` may be a view the caller keeps."""
+        adapter targets it. `out` is updated in place (a projection's fresh output) and
+        returned."""
         stack = self.stacks.get(projection)
         if stack is None:
             return out
@@ -71,7 +84,12 @@ class LoRALayerStep:
         mask = self.masks[projection]
         if mask is not None:
             shrunk = shrunk * mask
-        return torch.addmm(out, shrunk.to(out.dtype), stack.b_t.to(out.dtype))
+        shrunk = shrunk.to(out.dtype)
+        for part in stack.parts:
+            # [T, C_part] @ [C_part, out_part] added into the part's rows of the output.
+            out[:, part.out_start:part.out_end].addmm_(
+                shrunk[:, part.column_start:part.column_end], part.b_t.to(out.dtype))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,38 +163,36 @@ class LoRASlots:
         shapes = module_shapes(self.arch_config)
         self._layer_stacks = [{} for _ in range(self.arch_config.num_layers)]
         self._column_slots = {}
+        active = [(slot, adapter) for slot, adapter in enumerate(self.slot_adapters)
+                  if adapter is not None]
         for projection, parts in PROJECTION_PARTS.items():
-            part_rows: dict[str, tuple[int, int]] = {}
-            offset = 0
-            for part in parts:
-                part_rows[part] = (offset, offset + shapes[part][0])
-                offset += shapes[part][0]
-            out_features = offset
+            # Per targeted part: (part, its output rows, its slots, their columns).
+            layout = []
             column_slots: list[int] = []
-            for slot, adapter in enumerate(self.slot_adapters):
-                if adapter is None:
-                    continue
-                for part in parts:
-                    if part in adapter.target_modules:
+            out_start = 0
+            for part in parts:
+                out_end = out_start + shapes[part][0]
+                users = [(slot, adapter) for slot, adapter in active
+                         if part in adapter.target_modules]
+                if users:
+                    column_start = len(column_slots)
+                    for slot, adapter in users:
                         column_slots += [slot] * adapter.weights[(0, part)][0].shape[0]
+                    layout.append((part, out_start, out_end, users, column_start,
+                                   len(column_slots)))
+                out_start = out_end
             if not column_slots:
                 continue
             self._column_slots[projection] = torch.tensor(column_slots, dtype=torch.int64)
             for layer_index, stacks in enumerate(self._layer_stacks):
-                a_blocks, b_blocks = [], []
-                for adapter in self.slot_adapters:
-                    if adapter is None:
-                        continue
-                    for part in parts:
-                        if part not in adapter.target_modules:
-                            continue
-                        lora_a, lora_b = adapter.weights[(layer_index, part)]
-                        block = lora_b.new_zeros(out_features, lora_b.shape[1])
-                        start, end = part_rows[part]
-                        block[start:end] = lora_b
-                        a_blocks.append(lora_a)
-                        b_blocks.append(block)
+                a_blocks, part_stacks = [], []
+                for part, start, end, users, column_start, column_end in layout:
+                    weights = [adapter.weights[(layer_index, part)] for _, adapter in users]
+                    a_blocks += [lora_a for lora_a, _ in weights]
+                    b_t = torch.cat([lora_b for _, lora_b in weights], dim=1).t()
+                    part_stacks.append(LoRAPartStack(start, end, column_start, column_end,
+                                                     b_t.contiguous()))  # [C_part, out_part]
                 stacks[projection] = LoRAStack(
                     a_t=torch.cat(a_blocks, dim=0).t().contiguous(),  # [in, C]
-                    b_t=torch.cat(b_blocks, dim=1).t().contiguous(),  # [C, out]
+                    parts=tuple(part_stacks),
                 )

@@ -63,7 +63,7 @@ def test_each_token_gets_its_own_adapters_delta(config):
             out_features = sum(shapes[m][0] for m in modules)
             x = torch.randn(len(token_adapters), in_features, generator=generator)
             out = torch.randn(len(token_adapters), out_features, generator=generator)
-            result = layer.add(projection, x, out)
+            result = layer.add(projection, x, out.clone())
             for row, adapter in enumerate(token_adapters):
                 expected = out[row].clone()
                 offset = 0
