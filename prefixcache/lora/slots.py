@@ -15,10 +15,15 @@ adapter's columns, so with ``mask[t, c] = (token_slots[t] == column_slots[c])``:
     shrunk = (x @ A_t) * mask                              [T, C]
     out[:, part rows] += shrunk[:, part columns] @ B_t[part]
 
-A few matmul-sized kernels per projection whatever the mix of adapters in the step, in
-prefill (T rows) and decode alike; a base-model token's mask row is all zeros, so its
-output is exactly the base model's. Every token pays for the ranks of all active
-adapters (the mask zeroes the others), the price of needing no per-adapter gather.
+A few matmul-sized kernels per projection whatever the mix of adapters in the step; a
+base-model token's mask row is all zeros, so its output is exactly the base model's.
+Every token pays for the ranks of all active adapters (the mask zeroes the others).
+
+That suits decode steps, whose tokens alternate between adapters one row at a time. A
+step whose tokens come in long runs of one adapter (prefill chunks: a sequence's tokens
+are consecutive rows) is computed per run instead, on row slices, with that adapter's own
+weights only: no mask and no other adapter's ranks, a few more kernels per run. Runs of
+base-model tokens are left untouched.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ import torch
 
 from prefixcache.lora.adapter import LoRAAdapter, module_shapes
 from prefixcache.model.config import ModelArchConfig
+
+# A step uses per-run deltas when its adapter runs average at least this many tokens:
+# below it the extra kernels per run cost more than the mask path's wasted ranks.
+MIN_TOKENS_PER_RUN = 32
 
 # The model's projection -> the Hugging Face projections fused in it, in row order.
 PROJECTION_PARTS: dict[str, tuple[str, ...]] = {
@@ -58,18 +67,24 @@ class LoRAStack:
 
     a_t: torch.Tensor  # [in_features, C]
     parts: tuple[LoRAPartStack, ...]
+    # For per-run deltas: slot -> (its A [in_features, C_slot], its parts, columns of C_slot).
+    slot_to_stack: dict[int, tuple[torch.Tensor, tuple[LoRAPartStack, ...]]]
 
 
 class LoRALayerStep:
     """The LoRA deltas of one layer for one step: the model calls :meth:`add` after each
     projection, with the projection's input and output."""
 
-    __slots__ = ("stacks", "masks")
+    __slots__ = ("stacks", "masks", "runs")
 
     def __init__(self, stacks: dict[str, LoRAStack],
-                 masks: dict[str, torch.Tensor | None]) -> None:
+                 masks: dict[str, torch.Tensor | None],
+                 runs: list[tuple[int, int, int]] | None) -> None:
+        """`runs`: (first row, end row, slot) of each run of one adapter's tokens, to
+        compute per run; None to compute with `masks`."""
         self.stacks = stacks
         self.masks = masks
+        self.runs = runs
 
     def add(self, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out_features] plus each token's adapter delta for `projection`
@@ -80,6 +95,8 @@ class LoRALayerStep:
         stack = self.stacks.get(projection)
         if stack is None:
             return out
+        if self.runs is not None:
+            return self._add_per_run(stack, x, out)
         shrunk = x.to(stack.a_t.dtype) @ stack.a_t  # [T, C]
         mask = self.masks[projection]
         if mask is not None:
@@ -89,6 +106,19 @@ class LoRALayerStep:
             # [T, C_part] @ [C_part, out_part] added into the part's rows of the output.
             out[:, part.out_start:part.out_end].addmm_(
                 shrunk[:, part.column_start:part.column_end], part.b_t.to(out.dtype))
+        return out
+
+    def _add_per_run(self, stack: LoRAStack, x: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+        for start, end, slot in self.runs:
+            slot_stack = stack.slot_to_stack.get(slot)
+            if slot_stack is None:  # this adapter leaves the projection alone
+                continue
+            a_t, parts = slot_stack
+            shrunk = (x[start:end].to(a_t.dtype) @ a_t).to(out.dtype)  # [run, C_slot]
+            for part in parts:
+                out[start:end, part.out_start:part.out_end].addmm_(
+                    shrunk[:, part.column_start:part.column_end], part.b_t.to(out.dtype))
         return out
 
 
@@ -149,6 +179,15 @@ class LoRASlots:
     def step_batch(self, token_slots: torch.Tensor) -> LoRAStepBatch:
         """The deltas for a step whose token t uses slot `token_slots[t]` ([T] int64, -1
         for the base model); the slots must hold what :meth:`activate` last returned."""
+        # Runs of one slot: rows where the slot changes start a new one.
+        starts = [0, *(torch.nonzero(token_slots[1:] != token_slots[:-1]).view(-1) + 1)
+                  .tolist()]
+        ends = [*starts[1:], token_slots.shape[0]]
+        runs = [(start, end, slot) for start, end, slot
+                in zip(starts, ends, token_slots[starts].tolist(), strict=True) if slot >= 0]
+        if sum(end - start for start, end, _ in runs) >= MIN_TOKENS_PER_RUN * len(runs):
+            return LoRAStepBatch([LoRALayerStep(stacks, {}, runs)
+                                  for stacks in self._layer_stacks])
         masks: dict[str, torch.Tensor | None] = {}
         for projection, column_slots in self._column_slots.items():
             if bool((column_slots == token_slots[0]).all()) \
@@ -157,7 +196,8 @@ class LoRASlots:
             else:
                 masks[projection] = (token_slots[:, None] == column_slots[None, :]).to(
                     self._layer_stacks[0][projection].a_t.dtype)  # [T, C]
-        return LoRAStepBatch([LoRALayerStep(stacks, masks) for stacks in self._layer_stacks])
+        return LoRAStepBatch([LoRALayerStep(stacks, masks, None)
+                              for stacks in self._layer_stacks])
 
     def _rebuild_stacks(self) -> None:
         shapes = module_shapes(self.arch_config)
@@ -195,4 +235,26 @@ class LoRASlots:
                 stacks[projection] = LoRAStack(
                     a_t=torch.cat(a_blocks, dim=0).t().contiguous(),  # [in, C]
                     parts=tuple(part_stacks),
+                    slot_to_stack=self._slot_stacks(layer_index, layout, active),
                 )
+
+    @staticmethod
+    def _slot_stacks(layer_index: int, layout: list, active: list
+                     ) -> dict[int, tuple[torch.Tensor, tuple[LoRAPartStack, ...]]]:
+        """Each active slot's own A and part B stacks for one projection of one layer."""
+        slot_to_stack = {}
+        for slot, adapter in active:
+            a_blocks, part_stacks, num_columns = [], [], 0
+            for part, start, end, _, _, _ in layout:
+                if part not in adapter.target_modules:
+                    continue
+                lora_a, lora_b = adapter.weights[(layer_index, part)]
+                a_blocks.append(lora_a)
+                part_stacks.append(LoRAPartStack(start, end, num_columns,
+                                                 num_columns + lora_a.shape[0],
+                                                 lora_b.t().contiguous()))
+                num_columns += lora_a.shape[0]
+            if a_blocks:
+                slot_to_stack[slot] = (torch.cat(a_blocks, dim=0).t().contiguous(),
+                                       tuple(part_stacks))
+        return slot_to_stack

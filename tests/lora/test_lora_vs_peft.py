@@ -17,6 +17,8 @@ PROMPTS = [
     [5, 17, 42, 99, 7, 3, 25, 11, 64, 8],
     [12, 33, 47, 2, 18, 20, 77],
     [9, 9, 31, 14, 56, 71, 13, 10, 44, 39, 28, 15, 61],
+    # Long enough that a prefill of it alone takes the per-run path (see lora/slots.py).
+    [(7 * i + 3) % 90 + 4 for i in range(40)],
 ]
 NUM_NEW_TOKENS = 8
 
@@ -92,12 +94,12 @@ def test_mixed_batch_equals_peft(tiny_model_dir, lora_a, lora_b, expected, chunk
 @torch.inference_mode()
 def test_logits_within_tolerance_in_one_mixed_step(tiny_model_dir, lora_a, lora_b,
                                                    hf_models):
-    """One step prefilling three sequences (base, A, B): each sequence's last-position
+    """One step prefilling four sequences (base, A, B, A): each sequence's last-position
     logits equal transformers+peft's within float32 tolerance."""
     engine = LLMEngine.from_options(str(tiny_model_dir), enable_lora=True, max_loras=2,
                                     num_kv_blocks=64, block_size=4)
     adapters = [None, engine.lora_registry.acquire(lora_a),
-                engine.lora_registry.acquire(lora_b)]
+                engine.lora_registry.acquire(lora_b), engine.lora_registry.acquire(lora_a)]
     sequences, block = [], 0
     for prompt, adapter in zip(PROMPTS, adapters, strict=True):
         num_blocks = -(-len(prompt) // 4)
@@ -105,8 +107,8 @@ def test_logits_within_tolerance_in_one_mixed_step(tiny_model_dir, lora_a, lora_
             f"r{block}", prompt, 0, list(range(block, block + num_blocks)), True, adapter))
         block += num_blocks
     logits = engine.runner.execute(sequences)
-    for row, (prompt, name) in enumerate(zip(PROMPTS, [None, "adapter-a", "adapter-b"],
-                                             strict=True)):
+    names = [None, "adapter-a", "adapter-b", "adapter-a"]
+    for row, (prompt, name) in enumerate(zip(PROMPTS, names, strict=True)):
         reference = hf_models[name](torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-3)
 

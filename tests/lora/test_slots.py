@@ -43,16 +43,20 @@ def test_least_recently_used_slot_is_replaced(config):
         slots.activate([a, b, c])
 
 
+@pytest.mark.parametrize("run_length", [1, 40])
 @torch.inference_mode()
-def test_each_token_gets_its_own_adapters_delta(config):
+def test_each_token_gets_its_own_adapters_delta(config, run_length):
+    """Tokens alternating between adapters (the mask path) and in long runs of one
+    adapter (the per-run path) get the same, exact deltas."""
     a = random_adapter(config, "a", 1, ["q_proj", "v_proj", "gate_proj", "down_proj"], 3, 0)
     b = random_adapter(config, "b", 2, ["k_proj", "up_proj", "o_proj"], 2, 1)
     slots = LoRASlots(config, max_loras=3)
     adapter_to_slot = slots.activate([a, b])
-    token_adapters = [a, None, b, b, a, None]
+    token_adapters = [t for t in [a, None, b, b, a, None] for _ in range(run_length)]
     token_slots = torch.tensor([-1 if t is None else adapter_to_slot[t]
                                 for t in token_adapters])
     step = slots.step_batch(token_slots)
+    assert (step.layers[0].runs is not None) == (run_length == 40)
     shapes = module_shapes(config)
     parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "o_proj": ["o_proj"],
              "gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}
