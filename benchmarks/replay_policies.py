@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
-from prefixcache.core.document_liveness import (
+from prefixcache.core.eviction.document_liveness import (
     DocumentLivenessFreeBlockQueue,
     DocumentLivenessModel,
 )

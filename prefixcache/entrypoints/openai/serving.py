@@ -11,15 +11,14 @@ against what the context leaves. The engine re-checks; its refusal
 (:class:`~prefixcache.engine.errors.InvalidRequestError`) is a 400 too, naming the prompt
 it is about rather than the internal request id.
 
-LoRA: a request whose ``model`` names a loaded adapter runs with it (the adapters' names
-are served beside the base model's). ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` change that set at run time.
+A request whose ``model`` names a LoRA adapter runs with it (see ``serving_models``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +42,14 @@ from prefixcache.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     DeltaMessage,
     GenerationRequest,
-    ModelCard,
     PromptTokensDetails,
     UsageInfo,
     now_s,
     random_id,
 )
-from prefixcache.lora.errors import LoRAError, LoRANotFoundError
+from prefixcache.entrypoints.openai.serving_models import ServedModels, lora_api_error
+from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
+from prefixcache.lora.errors import LoRAError
 from prefixcache.lora.request import LoRARequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -119,95 +119,26 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics, lora_modules: Sequence[LoRARequest] = (),
-                 enable_lora: bool = False) -> None:
-        """``lora_modules``: the adapters already loaded into the engine (``serve
-        --lora-modules``); ``enable_lora``: the engine serves adapters at all."""
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None,
+                 served_models: ServedModels | None = None) -> None:
+        """``served_models``: the base model's names and the adapters (default: the
+        base model's names alone)."""
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
-        self.enable_lora = enable_lora
-        self.lora_name_to_request = {m.lora_name: m for m in lora_modules}
-        self._next_lora_int_id = max((m.lora_int_id for m in lora_modules), default=0) + 1
-        # Unloaded adapters: loaded again from the same folder they keep their id (the
-        # engine holds a name to one adapter, path and id, for as long as it runs).
-        self._unloaded_lora_name_to_request: dict[str, LoRARequest] = {}
-
-    # ---- models and adapters -----------------------------------------------------------
-
-    def model_cards(self, created: int) -> list[ModelCard]:
-        """The base model under each served name, then every adapter with its parent."""
-        info = self.model_info
-        cards = [ModelCard(id=name, created=created, root=info.root,
-                           max_model_len=info.max_model_len)
-                 for name in info.served_model_names]
-        cards += [ModelCard(id=name, created=created, root=lora.lora_path,
-                            parent=info.served_model_names[0],
-                            max_model_len=info.max_model_len)
-                  for name, lora in self.lora_name_to_request.items()]
-        return cards
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str,
-                                load_inplace: bool = False) -> str:
-        """Load an adapter and serve it under ``lora_name``; the success message. 400 if
-        LoRA is off, the name is taken or the adapter unusable; 404 for a missing
-        folder."""
-        self._check_lora_enabled()
-        if lora_name in self.model_info.served_model_names:
-            raise bad_request(f"'{lora_name}' is the base model's name", param="lora_name")
-        if lora_name in self.lora_name_to_request:
-            message = f"the LoRA adapter '{lora_name}' has already been loaded"
-            if load_inplace:
-                message += ("; replacing it in place is not supported, since KV blocks "
-                            "cached under its name would be reused: load it under a new name")
-            raise bad_request(message, param="lora_name")
-        unloaded = self._unloaded_lora_name_to_request.get(lora_name)
-        if unloaded is not None and unloaded.lora_path == lora_path:
-            lora_request = unloaded
-        else:
-            lora_request = LoRARequest(lora_name, self._next_lora_int_id, lora_path)
-        try:
-            await self.llm.add_lora(lora_request)
-        except LoRAError as exc:
-            raise _lora_api_error(exc) from exc
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unavailable") from exc
-        if lora_request is not unloaded:
-            self._next_lora_int_id += 1
-        self.lora_name_to_request[lora_name] = lora_request
-        return f"Success: LoRA adapter '{lora_name}' added successfully."
-
-    async def unload_lora_adapter(self, lora_name: str) -> str:
-        """Stop serving adapter ``lora_name`` (requests using it finish with it); the
-        success message. 404 for a name not loaded."""
-        self._check_lora_enabled()
-        if lora_name not in self.lora_name_to_request:
-            raise APIError(404, f"the LoRA adapter '{lora_name}' cannot be found",
-                           param="lora_name", code="lora_adapter_not_found")
-        # Unlisted first: no new request can ask for it while the engine forgets it.
-        self._unloaded_lora_name_to_request[lora_name] = \
-            self.lora_name_to_request.pop(lora_name)
-        try:
-            await self.llm.remove_lora(lora_name)
-        except LoRANotFoundError:
-            pass  # the engine never kept it; it is unloaded all the same
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unavailable") from exc
-        return f"Success: LoRA adapter '{lora_name}' removed successfully."
-
-    def _check_lora_enabled(self) -> None:
-        if not self.enable_lora:
-            raise bad_request("LoRA adapters are not enabled on this server "
-                              "(serve --enable-lora)", code="lora_not_enabled")
+        self.served_models = served_models or ServedModels(
+            llm, model_info.served_model_names, model_info.root, model_info.max_model_len)
+        # Large prompts are tokenized off the event loop (see worker_pool).
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
     # ---- endpoints ---------------------------------------------------------------------
 
     async def create_completion(self, request: CompletionRequest,
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
-        model, lora_request = self._check_model(request.model)
-        prompts_token_ids = [self._encode_prompt(p) for p in request.prompts()]
+        model, lora_request = self.served_models.resolve(request.model)
+        prompts_token_ids = [await self._encode_prompt(p) for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "cmpl", model, arrival_time, lora_request)
@@ -225,8 +156,8 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, cache_salt: str | None
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
-        model, lora_request = self._check_model(request.model)
-        prompt_token_ids = self._render_chat(request)
+        model, lora_request = self.served_models.resolve(request.model)
+        prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
@@ -245,34 +176,23 @@ class OpenAIServing:
 
     # ---- request side ------------------------------------------------------------------
 
-    def _check_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
-        """The model name to report and the adapter it names (None: the base model)."""
-        names = self.model_info.served_model_names
-        if requested is None:
-            return names[0], None
-        if requested in names:
-            return requested, None
-        lora_request = self.lora_name_to_request.get(requested)
-        if lora_request is None:
-            served = ", ".join([*names, *self.lora_name_to_request])
-            raise APIError(404, f"the model '{requested}' does not exist; this server "
-                           f"serves {served}", param="model", code="model_not_found")
-        return requested, lora_request
-
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        token_ids = self.tokenizer.encode(prompt)
+        token_ids = await self.tokenizer_pool.run(len(prompt), self.tokenizer.encode, prompt)
         if not token_ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         return token_ids
 
-    def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
+    async def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
         import jinja2
 
+        messages = request.chat_messages()
+        num_chars = sum(len(message["content"]) for message in messages)
         try:
-            token_ids = self.tokenizer.apply_chat_template(
-                request.chat_messages(), add_generation_prompt=True, tokenize=True)
+            token_ids = await self.tokenizer_pool.run(
+                num_chars, functools.partial(self.tokenizer.apply_chat_template, messages,
+                                             add_generation_prompt=True, tokenize=True))
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(f"cannot apply the chat template: {exc}",
                               param="messages") from exc
@@ -333,7 +253,7 @@ class OpenAIServing:
             stream = await self.llm.add_requests(new_requests)
         except InvalidRequestError as exc:
             if isinstance(exc.__cause__, LoRAError):
-                raise _lora_api_error(exc.__cause__, param="model") from exc
+                raise lora_api_error(exc.__cause__, param="model") from exc
             index = request_id_to_index.get(exc.request_id)
             message = exc.message
             if len(prompts_token_ids) > 1 and index is not None:
@@ -448,9 +368,3 @@ class OpenAIServing:
                                              choices=[choice]).model_dump_json()
                 for choice in chunks]
 
-
-def _lora_api_error(error: LoRAError, param: str = "lora_path") -> APIError:
-    """404 for an adapter (or its folder) that does not exist, else 400."""
-    if isinstance(error, LoRANotFoundError):
-        return APIError(404, str(error), param=param, code="lora_adapter_not_found")
-    return bad_request(str(error), param=param, code="invalid_lora_adapter")
