@@ -134,3 +134,25 @@ def test_serve_refuses_a_bad_lora_module_before_serving(tiny_model_dir, tmp_path
     with pytest.raises(RuntimeError, match="LoRA adapter 'gone': no adapter folder"):
         ServerProcess(tiny_model_dir, "--num-kv-blocks", "32",
                       "--lora-modules", f"gone={tmp_path / 'nowhere'}")
+
+
+def test_load_and_unload_are_operator_only(tiny_model_dir, lora_a, lora_b):
+    process = ServerProcess(tiny_model_dir, "--num-kv-blocks", "32", "--api-key", "user-key",
+                            "--admin-api-key", "admin-key",
+                            "--lora-modules", f"adapter-a={lora_a.lora_path}")
+    try:
+        def client_with(key):
+            return openai.OpenAI(base_url=process.url + "/v1", api_key=key, max_retries=0,
+                                 timeout=60)
+
+        body = {"lora_name": "adapter-b", "lora_path": lora_b.lora_path}
+        with client_with("user-key") as user:
+            with pytest.raises(openai.PermissionDeniedError):
+                user.post("/load_lora_adapter", cast_to=str, body=body)
+            with pytest.raises(openai.PermissionDeniedError):
+                user.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "adapter-a"})
+            assert complete(user, "adapter-a").choices[0].text  # users may still use it
+        with client_with("admin-key") as admin:
+            assert "adapter-b" in admin.post("/load_lora_adapter", cast_to=str, body=body)
+    finally:
+        assert_clean_exit(process)
