@@ -12,7 +12,10 @@ One idea covers prefill, chunked prefill, decode and cache hits alike: every req
    recomputed, usually hitting its own cached blocks.
 2. Then, if nothing was preempted, waiting requests in arrival order while
    ``max_num_seqs`` and the budget allow. A cache hit counts as already computed, so only
-   the uncached tokens spend budget.
+   the uncached tokens spend budget. With ``max_loras`` set, a request whose LoRA adapter
+   would be one more than ``max_loras`` distinct adapters among the running requests is
+   skipped (it keeps its place and waits for one of them to finish); the requests behind
+   it may still be admitted.
 
 No request waits forever. A request whose tokens (prompt plus outputs) need more blocks
 than the whole pool can never sample another token: wherever it is, it is finished with
@@ -58,6 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None  # distinct LoRA adapters running at once; None: no limit
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -66,6 +70,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 or None, got {self.max_loras}")
 
 
 @dataclass(slots=True)
@@ -225,8 +231,17 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt (no room for newcomers).
         if not output.preempted_request_ids:
             can_split_prompts = self.config.enable_chunked_prefill
+            max_loras = self.config.max_loras
+            running_loras = {r.lora_name for r in self.running if r.lora_name is not None}
+            # Requests passed over for their adapter, put back in front afterwards in order.
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                lora_name = request.lora_name
+                if max_loras is not None and lora_name is not None \
+                        and lora_name not in running_loras and len(running_loras) >= max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if request.num_tokens > num_pool_slots:
                     # A victim preempted while it had outgrown the pool, before its turn in
                     # the running loop came.
@@ -265,6 +280,9 @@ class Scheduler:
                         zip(scheduled.block_ids[first:first + len(external_payloads)],
                             external_payloads, strict=True)]
                 budget -= num_new_tokens
+                if lora_name is not None:
+                    running_loras.add(lora_name)
+            self.waiting.extendleft(reversed(skipped))
         return output
 
     def _load_external_prefix(self, request: Request, num_hit_blocks: int) -> list:

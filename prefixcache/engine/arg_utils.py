@@ -31,6 +31,8 @@ from prefixcache.config import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_HASH_ALGO,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL_NAME,
@@ -106,6 +108,9 @@ class EngineArgs(DeclaredOptions):
     their own; ``hash_seed`` the prefix-cache block hashes (see
     :mod:`prefixcache.core.hashing`). ``enable_kv_events`` records KV cache events for
     ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
+    ``enable_lora`` lets requests run with LoRA adapters: at most ``max_loras`` distinct
+    ones per step, each of rank at most ``max_lora_rank``, up to ``max_cpu_loras`` unused
+    ones kept loaded (see :mod:`prefixcache.lora`).
     """
 
     CLI_GROUP = "engine"
@@ -194,8 +199,33 @@ class EngineArgs(DeclaredOptions):
         help="how long a tier call may take; a failure or timeout is a miss, and the "
              "tier is left alone for a few seconds")
 
+    enable_lora: bool = option(
+        False, "--enable-lora",
+        help="serve LoRA adapters (PEFT folders) next to the base model; each request "
+             "may name one")
+    max_loras: int = option(
+        DEFAULT_MAX_LORAS, "--max-loras", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="N",
+        help="most LoRA adapters one step runs; requests for further adapters wait")
+    max_lora_rank: int = option(
+        DEFAULT_MAX_LORA_RANK, "--max-lora-rank", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="R",
+        help="largest LoRA rank accepted; adapters of higher rank are refused")
+    max_cpu_loras: int | None = option(
+        None, "--max-cpu-loras", accepts=is_positive_int, wanted="a positive integer",
+        parse=positive_int, metavar="N", default_text="--max-loras",
+        help="LoRA adapters kept loaded in memory when no request uses them (least "
+             "recently used dropped first, re-read from their folder when needed); at "
+             "least --max-loras")
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+        self._check_kv_tier()
+
+    def _check_kv_tier(self) -> None:
         if self.kv_tier is None:
             if self.kv_tier_max_bytes is not None:
                 raise ValueError("kv_tier_max_bytes (--kv-tier-max-size) needs a kv_tier")

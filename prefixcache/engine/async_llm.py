@@ -49,7 +49,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.events.publisher import EventPublisher
+    from prefixcache.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class NewRequest:
     sampling_params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 # ---- commands (event loop -> engine loop) ---------------------------------------------
@@ -108,6 +110,16 @@ class _Reset:
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
     reset_kv_tier: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``function(engine)`` on the engine loop's thread; its result or exception
+    settles ``done``."""
+
+    function: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -272,6 +284,21 @@ class AsyncLLM:
         self._put_command(_Reset(wait, abort_running, loop, done, reset_kv_tier))
         return await done
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """``LLMEngine.add_lora`` on the engine's thread (loads the adapter there)."""
+        return await self._call_engine(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_name: str) -> LoRARequest:
+        """``LLMEngine.remove_lora`` on the engine's thread."""
+        return await self._call_engine(lambda engine: engine.remove_lora(lora_name))
+
+    async def _call_engine(self, function: Callable[[Any], Any]) -> Any:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._put_command(_Call(function, loop, done))
+        return await done
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine loop (live streams get EngineDeadError), close the publisher.
 
@@ -292,7 +319,7 @@ class AsyncLLM:
                 self._publisher_closed = True
                 self.event_publisher.close()
 
-    def _put_command(self, command: _Add | _Reset) -> None:
+    def _put_command(self, command: _Add | _Reset | _Call) -> None:
         self._commands.put(command)
         if self._has_stopped_taking_commands or not self._thread.is_alive():
             # The loop stopped between our check and the put; nobody else will answer.
@@ -349,6 +376,13 @@ class AsyncLLM:
                 self._apply_abort(command.request_ids, command.stream)
             elif isinstance(command, _Reset):
                 self._apply_reset(command)
+            elif isinstance(command, _Call):
+                try:
+                    result = command.function(self.engine)
+                except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                    _resolve(command.loop, command.done, exception=exc)
+                else:
+                    _resolve(command.loop, command.done, result=result)
             elif isinstance(command, _Shutdown):
                 # Already taken off the queue, so the final drain would never see them.
                 _refuse(commands[index + 1:], EngineDeadError(_SHUTDOWN_REASON))
@@ -378,7 +412,8 @@ class AsyncLLM:
             for request in command.requests:
                 self.engine.add_request(request.request_id, request.prompt_token_ids,
                                         request.sampling_params, cache_salt=request.cache_salt,
-                                        arrival_time=request.arrival_time or time.time())
+                                        arrival_time=request.arrival_time or time.time(),
+                                        lora_request=request.lora_request)
                 added.append(request.request_id)
                 self._request_id_to_tracked[request.request_id] = _Tracked(
                     command.stream, command.loop)
@@ -496,9 +531,10 @@ def _make_publisher(kv_events_args: KVEventsArgs) -> EventPublisher:
 
 
 def _refuse(commands: Sequence[Any], error: BaseException) -> None:
-    """Answer every add and reset among ``commands`` with ``error``; aborts need no answer."""
+    """Answer every add, reset and call among ``commands`` with ``error``; aborts need no
+    answer."""
     for command in commands:
-        if isinstance(command, (_Add, _Reset)):
+        if isinstance(command, (_Add, _Reset, _Call)):
             _resolve(command.loop, command.done, exception=error)
 
 

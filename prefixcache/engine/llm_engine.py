@@ -36,6 +36,10 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
 from prefixcache.kv_tier import KVTier, open_backend
 from prefixcache.kv_tier.engine_link import offer_step_blocks
+from prefixcache.lora.adapter import LoRAAdapter
+from prefixcache.lora.errors import LoRAError
+from prefixcache.lora.registry import LoRARegistry
+from prefixcache.lora.request import LoRARequest
 from prefixcache.model.loader import LoadedModel, load_model
 from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
 from prefixcache.worker.kv_transfer import kv_layout
@@ -60,7 +64,9 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_config = model_config
         self.cache_config = cache_config = config_from(engine_args, CacheConfig)
-        self.scheduler_config = scheduler_config = config_from(engine_args, SchedulerConfig)
+        self.scheduler_config = scheduler_config = config_from(
+            engine_args, SchedulerConfig,
+            max_loras=engine_args.max_loras if engine_args.enable_lora else None)
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
@@ -85,8 +91,17 @@ class LLMEngine:
             if engine_args.kv_tier is not None else None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_tier)
         self.runner = ModelRunner(
-            loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
+            loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype,
+            max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
+        self.lora_registry: LoRARegistry | None = None
+        if engine_args.enable_lora:
+            self.lora_registry = LoRARegistry(
+                self.arch_config, engine_args.max_lora_rank,
+                engine_args.max_cpu_loras or engine_args.max_loras, dtype,
+            )
+        # The adapter of each unfinished request that uses one (pinned in the registry).
+        self._request_id_to_adapter: dict[str, LoRAAdapter] = {}
         self.sampler = Sampler(engine_args.seed)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(self.arch_config.eos_token_ids)
@@ -134,8 +149,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; it runs from the next :meth:`step`.
+        """Queue a request; it runs from the next :meth:`step`, with the LoRA adapter of
+        ``lora_request`` if given (loaded now if need be; see :meth:`add_lora`).
 
         The engine runs one sample per request (``sampling_params.n`` is the caller's to
         expand). Raises :class:`~prefixcache.engine.errors.InvalidRequestError` (a
@@ -143,7 +160,9 @@ class LLMEngine:
         id in use (``param="request_id"``), invalid params (None: the message names the
         parameter), an empty prompt or a token id outside the vocabulary, a prompt plus
         ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool
-        (``"prompt"``). A ``request_id`` that is not a string is a plain ValueError.
+        (``"prompt"``), an adapter that cannot be used or LoRA not enabled
+        (``"lora_request"``; caused by a :class:`~prefixcache.lora.errors.LoRAError`). A
+        ``request_id`` that is not a string is a plain ValueError.
 
         An id is in use from ``add_request`` until :meth:`step` has returned its final
         output; for an aborted request that is the step after :meth:`abort_request`. So
@@ -192,13 +211,32 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}",
                 "prompt",
             )
-        request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(request_id, f"lora_request must be a LoRARequest, "
+                                      f"got {type(lora_request).__name__}", "lora_request")
+        request = Request(
+            request_id, prompt_token_ids, cache_salt=cache_salt,
+            lora_name=None if lora_request is None else lora_request.lora_name,
+            lora_path=None if lora_request is None else lora_request.lora_path,
+            lora_id=None if lora_request is None else lora_request.lora_int_id,
+        )
+        adapter = None
+        if lora_request is not None:
+            try:
+                # Pinned from here on: released when the request finishes, or just below.
+                adapter = self._lora_registry_or_raise().acquire(lora_request)
+            except LoRAError as error:
+                raise InvalidRequestError(request_id, str(error), "lora_request") from error
         try:
             # Refused if the prompt alone can never fit the pool; max_tokens is not
             # counted (see above). The id cannot clash: it was checked above.
             self.scheduler.add_request(request)
         except ValueError as error:
+            if adapter is not None:
+                self.lora_registry.release(adapter)
             raise InvalidRequestError(request_id, str(error), "prompt") from error
+        if adapter is not None:
+            self._request_id_to_adapter[request_id] = adapter
         self.request_states[request_id] = RequestState(
             request,
             sampling_params,
@@ -220,6 +258,7 @@ class LLMEngine:
             if state is None:
                 continue
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self._release_adapter(request_id)
             state.finish(RequestStatus.FINISHED_ABORTED)
             self._pending_outputs.append(state.make_output())
 
@@ -264,6 +303,7 @@ class LLMEngine:
             sequences.append(ScheduledSequence(
                 request.request_id, scheduled.token_ids, scheduled.start_position,
                 scheduled.block_ids, scheduled.needs_logits,
+                self._request_id_to_adapter.get(request.request_id),
             ))
             if scheduled.needs_logits:
                 sampling_states.append(state)
@@ -309,8 +349,40 @@ class LLMEngine:
                 error: str | None = None) -> RequestOutput:
         state = self.request_states.pop(request_id)
         self.scheduler.finish_request(request_id, status)  # no-op if the scheduler did it
+        self._release_adapter(request_id)
         state.finish(status, error)
         return state.make_output()
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter ahead of its requests (vLLM's ``add_lora``); False
+        if that name is already registered for the same path and id. Raises
+        :class:`~prefixcache.lora.errors.LoRAError` (LoRANotFoundError for a missing
+        folder) if LoRA is not enabled or the adapter cannot be used."""
+        return self._lora_registry_or_raise().add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Forget adapter ``lora_name``; requests already using it finish with it. Its
+        cached KV blocks stay until evicted, keyed by the name, so the name can come back
+        only for the same adapter (path and id). Raises LoRANotFoundError for an unknown
+        name."""
+        return self._lora_registry_or_raise().remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters (empty without LoRA)."""
+        return [] if self.lora_registry is None else self.lora_registry.list_requests()
+
+    def _lora_registry_or_raise(self) -> LoRARegistry:
+        if self.lora_registry is None:
+            raise LoRAError(None, "LoRA is not enabled: build the engine with "
+                                  "enable_lora=True (serve --enable-lora)")
+        return self.lora_registry
+
+    def _release_adapter(self, request_id: str) -> None:
+        adapter = self._request_id_to_adapter.pop(request_id, None)
+        if adapter is not None:
+            self.lora_registry.release(adapter)
 
     # -- cache and stats --------------------------------------------------------------------
 

@@ -40,7 +40,9 @@ class FakeEngine:
         self.generation_tokens = 0
 
     def add_request(self, request_id, prompt_token_ids, sampling_params, cache_salt=None,
-                    arrival_time=None):
+                    arrival_time=None, lora_request=None):
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if request_id in self.running:
