@@ -10,6 +10,8 @@ model name (404), the prompt against the context and the KV pool, and ``max_toke
 against what the context leaves. The engine re-checks; its refusal
 (:class:`~prefixcache.engine.errors.InvalidRequestError`) is a 400 too, naming the prompt
 it is about rather than the internal request id.
+
+A request whose ``model`` names a LoRA adapter runs with it (see ``serving_models``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ from prefixcache.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
+from prefixcache.entrypoints.openai.serving_models import ServedModels, lora_api_error
 from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
+from prefixcache.lora.errors import LoRAError
+from prefixcache.lora.request import LoRARequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -74,6 +79,7 @@ class PreparedPrompts(NamedTuple):
     model: str
     prompts_token_ids: list[list[int]]
     max_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +131,16 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None) -> None:
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None,
+                 served_models: ServedModels | None = None) -> None:
+        """``served_models``: the base model's names and the adapters (default: the
+        base model's names alone)."""
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
+        self.served_models = served_models or ServedModels(
+            llm, model_info.served_model_names, model_info.root, model_info.max_model_len)
         # Large prompts are tokenized off the event loop (see worker_pool).
         self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
@@ -138,9 +149,10 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest,
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
-        model, prompts_token_ids, max_tokens = await self.prepare_completion(request)
+        model, prompts_token_ids, max_tokens, lora_request = \
+            await self.prepare_completion(request)
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
-                                        "cmpl", model, arrival_time)
+                                        "cmpl", model, arrival_time, lora_request)
         if request.stream:
             return EventStream(self._stream_events(run, stream, request.include_usage_in_stream,
                                                    self._completion_chunks), stream.abort)
@@ -155,9 +167,9 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, cache_salt: str | None
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
-        model, prompts_token_ids, max_tokens = await self.prepare_chat(request)
+        model, prompts_token_ids, max_tokens, lora_request = await self.prepare_chat(request)
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
-                                        "chatcmpl", model, arrival_time)
+                                        "chatcmpl", model, arrival_time, lora_request)
         if request.stream:
             return EventStream(self._stream_events(run, stream, request.include_usage_in_stream,
                                                    self._chat_chunks), stream.abort)
@@ -169,15 +181,6 @@ class OpenAIServing:
                                       choices=choices, usage=run.usage())
 
     # ---- request side ------------------------------------------------------------------
-
-    def _check_model(self, requested: str | None) -> str:
-        names = self.model_info.served_model_names
-        if requested is None:
-            return names[0]
-        if requested not in names:
-            raise APIError(404, f"the model '{requested}' does not exist; this server "
-                           f"serves {', '.join(names)}", param="model", code="model_not_found")
-        return requested
 
     async def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
                              ) -> list[int]:
@@ -202,21 +205,21 @@ class OpenAIServing:
     async def prepare_completion(self, request: CompletionRequest) -> PreparedPrompts:
         """The model name, the prompts' token ids and ``max_tokens`` a completion request
         runs with: what ``create_completion`` sends to the engine."""
-        model = self._check_model(request.model)
+        model, lora_request = self.served_models.resolve(request.model)
         prompts_token_ids = [await self._encode_prompt(p, request.add_special_tokens)
                              for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        return PreparedPrompts(model, prompts_token_ids, max_tokens)
+        return PreparedPrompts(model, prompts_token_ids, max_tokens, lora_request)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedPrompts:
         """As ``prepare_completion``, for a chat request (one prompt)."""
-        model = self._check_model(request.model)
+        model, lora_request = self.served_models.resolve(request.model)
         prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(self.model_info.max_model_len - len(prompt_token_ids), 1)
-        return PreparedPrompts(model, [prompt_token_ids], max_tokens)
+        return PreparedPrompts(model, [prompt_token_ids], max_tokens, lora_request)
 
     def _check_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
         info = self.model_info
@@ -252,7 +255,8 @@ class OpenAIServing:
 
     async def _start(self, request: GenerationRequest, prompts_token_ids: list[list[int]],
                      max_tokens: int, cache_salt: str | None, id_prefix: str, model: str,
-                     arrival_time: float) -> tuple[_Run, OutputStream]:
+                     arrival_time: float, lora_request: LoRARequest | None = None,
+                     ) -> tuple[_Run, OutputStream]:
         for token_ids in prompts_token_ids:
             self._check_lengths(len(token_ids), max_tokens)
         api_id = random_id(id_prefix)
@@ -265,10 +269,12 @@ class OpenAIServing:
                 request_id_to_index[request_id] = prompt_index * n + choice
                 new_requests.append(NewRequest(
                     request_id, token_ids, self._sampling_params(request, max_tokens, choice),
-                    cache_salt, arrival_time))
+                    cache_salt, arrival_time, lora_request))
         try:
             stream = await self.llm.add_requests(new_requests)
         except InvalidRequestError as exc:
+            if isinstance(exc.__cause__, LoRAError):
+                raise lora_api_error(exc.__cause__, param="model") from exc
             index = request_id_to_index.get(exc.request_id)
             message = exc.message
             if len(prompts_token_ids) > 1 and index is not None:

@@ -106,7 +106,7 @@ class OpenAIServingTokenization:
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
                        ) -> TokenizeResponse:
         serving = self.serving
-        serving._check_model(request.model)
+        serving.served_models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
             token_ids = await serving._render_chat(request)
         else:
@@ -119,7 +119,7 @@ class OpenAIServingTokenization:
                                 tokens=token_ids, token_strs=token_strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.serving._check_model(request.model)
+        self.serving.served_models.resolve(request.model)
         vocab_size = self.tokenizer.vocab_size
         for index, token_id in enumerate(request.tokens):
             if not 0 <= token_id < vocab_size:
