@@ -22,6 +22,12 @@ from prefixcache.model.attention_metadata import AttentionMetadata, KVCache
 from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.rope import RotaryEmbedding
 
+# Fused projection -> the Hugging Face projections stacked in it, in row order.
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, the statistics computed in float32 whatever the activation dtype."""
@@ -135,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
     tokens and returns float32 logits only for the rows in `logits_indices` (the last token
     of each sequence that will sample), so a 2,000-token prefill never materialises
     2,000 x vocab logits.
+
+    `decode_lm_head`, when set (`quantization.quantize_for_decode`), computes the logits in
+    place of the dense output weight; its own rule picks dense or quantized weights.
     """
 
     def __init__(self, config: ModelArchConfig) -> None:
@@ -145,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_lm_head: nn.Module | None = None
 
     @classmethod
     def empty(cls, config: ModelArchConfig) -> LlamaForCausalLM:
@@ -175,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, kv_cache, metadata)
         hidden = self.model.norm(hidden[logits_indices])  # [N, hidden]
+        if self.decode_lm_head is not None:
+            return self.decode_lm_head(hidden).float()  # [N, vocab]
         return F.linear(hidden, self.output_weight).float()  # [N, vocab]
 
 
@@ -194,13 +206,19 @@ def load_hf_state_dict(
     # Where each HF projection lands inside a fused parameter: (fused name, row offset).
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    fused_rows = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", q_size),
-        "v_proj": ("qkv_proj", q_size + kv_size),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", config.intermediate_size),
+    part_rows = {
+        "q_proj": q_size,
+        "k_proj": kv_size,
+        "v_proj": kv_size,
+        "gate_proj": config.intermediate_size,
+        "up_proj": config.intermediate_size,
     }
+    fused_rows: dict[str, tuple[str, int]] = {}
+    for fused, parts in FUSED_PROJECTIONS.items():
+        offset = 0
+        for part in parts:
+            fused_rows[part] = (fused, offset)
+            offset += part_rows[part]
     partial_rows: dict[str, int] = {}
     unexpected: list[str] = []
     with torch.no_grad():
