@@ -25,7 +25,9 @@ __all__ = [
     "DEFAULT_KV_CACHE_MEMORY_BYTES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_QUANTIZATION",
     "DTYPES",
+    "QUANTIZATION_METHODS",
     "EVICTION_POLICIES",
     "CacheConfig",
     "ModelConfig",
@@ -41,6 +43,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 DTYPES = ("float32", "bfloat16")
 DEFAULT_DTYPE = "float32"
 DEFAULT_BLOCK_SIZE = 16
+# Weight-only quantized decode (see prefixcache.model.quantization for what each means).
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+DEFAULT_QUANTIZATION = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +54,24 @@ class ModelConfig:
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a path to a ``.gguf`` file,
     or a Hugging Face model folder. ``dtype`` applies to the weights and the KV cache.
+    ``quantization`` picks the weight-only quantized copies steps with few tokens use
+    (one of ``QUANTIZATION_METHODS``).
     """
 
     model: str | None = None
     dtype: str = DEFAULT_DTYPE
+    quantization: str = DEFAULT_QUANTIZATION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.quantization, str) or (
+            self.quantization not in QUANTIZATION_METHODS
+        ):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from prefixcache.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_QUANTIZATION,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -42,6 +43,7 @@ from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
 from prefixcache.model.loader import LoadedModel, load_model
+from prefixcache.model.quantization import decode_weight_bytes, dense_weight_bytes
 from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
 from prefixcache.worker.model_runner import ModelRunner
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
@@ -74,6 +76,10 @@ class LLMEngine:
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
         self.max_model_len = self.arch_config.max_position_embeddings
+        self.quantization = loaded_model.quantization
+        # Memory outside the KV pool: the dense weights plus any quantized decode copies.
+        self.dense_weight_bytes = dense_weight_bytes(loaded_model.model)
+        self.decode_weight_bytes = decode_weight_bytes(loaded_model.model)
         self.block_size = cache_config.block_size
         dtype = TORCH_DTYPES[model_config.dtype]
         self.num_kv_blocks = (
@@ -113,6 +119,7 @@ class LLMEngine:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
         dtype: str | None = None,
+        quantization: str = DEFAULT_QUANTIZATION,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
@@ -129,6 +136,12 @@ class LLMEngine:
         by engines compared side by side). ``dtype`` (weights and KV cache) defaults to
         float32, or to the weights' own dtype for a loaded model; a loaded model whose
         weights are in another dtype than the one asked for is refused.
+        ``quantization`` (``auto``, ``none``, ``int8``, ``int4``; see
+        :mod:`prefixcache.model.quantization`) gives steps with few tokens weight-only
+        quantized copies of the weights; ``auto`` means ``int4`` for a 4-bit GGUF such as
+        the default model, ``none`` for float weights. A loaded model keeps the quantization
+        it was loaded with: naming another is refused. The copies are memory on top of the
+        weights and outside the KV budget (``dense_weight_bytes``, ``decode_weight_bytes``).
         ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
         prefix-cache block hashes. ``eviction_policy`` (one of
         :data:`~prefixcache.core.EVICTION_POLICIES`, default ``lru``) decides which free
@@ -153,9 +166,15 @@ class LLMEngine:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
-        model_config = ModelConfig(model=model_path, dtype=dtype or DEFAULT_DTYPE)
+        model_config = ModelConfig(model=model_path, dtype=dtype or DEFAULT_DTYPE,
+                                   quantization=quantization)
         if isinstance(model, LoadedModel):
-            model_config = ModelConfig(dtype=_dtype_of_loaded_model(model, dtype))
+            if quantization not in ("auto", model.quantization):
+                raise ValueError(f"quantization {quantization!r} does not match the loaded "
+                                 f"model's {model.quantization!r}; load the model with it or "
+                                 "leave quantization unset")
+            model_config = ModelConfig(dtype=_dtype_of_loaded_model(model, dtype),
+                                       quantization=model.quantization)
         cache_config = CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
@@ -174,7 +193,7 @@ class LLMEngine:
                                  or not -(2**63) <= seed < 2**63):
             raise ValueError(f"seed must be a signed 64-bit integer or None, got {seed!r}")
         loaded = (model if isinstance(model, LoadedModel)
-                  else _load(model_path, model_config.dtype))
+                  else _load(model_path, model_config.dtype, model_config.quantization))
         return cls(loaded, model_config, cache_config, scheduler_config,
                    seed=seed, hash_seed=hash_seed)
 
@@ -382,7 +401,7 @@ def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:
     return name
 
 
-def _load(model_path: str | None, dtype: str) -> LoadedModel:
+def _load(model_path: str | None, dtype: str, quantization: str) -> LoadedModel:
     """``load_model``, with every failure but a missing path reported as a ValueError that
     names the model (the loader's own messages may name only a field or a file format)."""
     if model_path is not None:
@@ -391,7 +410,7 @@ def _load(model_path: str | None, dtype: str) -> LoadedModel:
             raise ValueError(f"{model_path} is neither a .gguf file nor a Hugging Face model "
                              "folder")
     try:
-        return load_model(model_path, TORCH_DTYPES[dtype])
+        return load_model(model_path, TORCH_DTYPES[dtype], quantization)
     except FileNotFoundError:
         raise
     except Exception as error:  # noqa: BLE001 - corrupt files fail in many ways

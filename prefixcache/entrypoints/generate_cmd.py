@@ -15,7 +15,7 @@ import argparse
 import copy
 import sys
 
-from prefixcache.config import DTYPES
+from prefixcache.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_METHODS
 from prefixcache.entrypoints.arg_types import int_in_range, non_negative_float, utf8_text
 
 EXIT_USAGE = 2
@@ -78,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="keep generating past the end-of-sequence token")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and KV cache dtype (default: float32)")
+    parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS,
+                        default=DEFAULT_QUANTIZATION,
+                        help="weight-only quantized weights for few-token steps (decode); prefill "
+                        "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
+                        "default model), int8 for other quantized GGUFs, none for float weights "
+                        "(default: %(default)s)")
     parser.add_argument("--no-stream", action="store_true",
                         help="print the text once finished instead of as it is generated")
     parser.set_defaults(func=run)
@@ -130,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine.from_options(args.model, dtype=args.dtype, max_num_seqs=1)
+        engine = LLMEngine.from_options(args.model, dtype=args.dtype,
+                                        quantization=args.quantization, max_num_seqs=1)
     except (ValueError, FileNotFoundError, OSError) as error:
         return _error(str(error))
     num_prompts = len(args.prompts)

@@ -16,6 +16,7 @@ from prefixcache.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_QUANTIZATION,
 )
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
@@ -53,6 +54,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
         dtype: str | None = None,
+        quantization: str = DEFAULT_QUANTIZATION,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         hash_algo: str = DEFAULT_HASH_ALGO,
@@ -63,7 +65,7 @@ class LLM:
         self.engine = LLMEngine.from_options(
             model, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            dtype=dtype, max_num_seqs=max_num_seqs,
+            dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, hash_algo=hash_algo,
             eviction_policy=eviction_policy, seed=seed, **engine_options)
         self.tokenizer = self.engine.tokenizer

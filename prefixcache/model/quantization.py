@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from prefixcache.config import DEFAULT_QUANTIZATION, QUANTIZATION_METHODS
 from prefixcache.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from prefixcache.model.quantized_linear import (
     DecodeQuantizedLinear,
@@ -33,8 +34,7 @@ from prefixcache.model.quantized_linear import (
     QuantizedWeight,
 )
 
-QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
-DEFAULT_QUANTIZATION = "auto"
+__all__ = ["DEFAULT_QUANTIZATION", "QUANTIZATION_METHODS", "quantize_for_decode"]
 # Steps with at most this many tokens use the quantized weights. A memory-bound matmul's
 # time hardly grows with its rows while the weight-only kernels' grows linearly; the two
 # cross at a few dozen rows for SmolLM2-135M's shapes on 2 cores (docs/benchmarks.md).

@@ -32,6 +32,8 @@ KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZE = 32
 # `_convert_weight_to_int4pack_for_cpu` packs output rows in tiles of this many.
 _INT4_ROW_MULTIPLE = 16
+# `_weight_int8pack_mm` needs whole vectors of this many inputs.
+_INT8_INPUT_MULTIPLE = 16
 
 
 class Int4GroupWeight:
@@ -110,6 +112,12 @@ class Int8ChannelWeight:
     __slots__ = ("out_features", "q", "scales")
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        if q.shape[1] % _INT8_INPUT_MULTIPLE != 0:
+            # The kernel reads inputs in vectors of 16 and overruns other sizes (a crash).
+            raise ValueError(
+                f"int8 weights need in_features ({q.shape[1]}) to be a multiple of "
+                f"{_INT8_INPUT_MULTIPLE}"
+            )
         self.out_features = q.shape[0]
         self.q = q.to(torch.int8).contiguous()
         self.scales = scales.to(KERNEL_DTYPE).contiguous()

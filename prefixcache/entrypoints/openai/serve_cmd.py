@@ -23,9 +23,11 @@ from prefixcache.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_QUANTIZATION,
     DTYPES,
     EVICTION_POLICIES,
     HASH_ALGOS,
+    QUANTIZATION_METHODS,
 )
 from prefixcache.entrypoints.arg_types import byte_size, non_negative_int, port, positive_int
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
@@ -102,6 +104,12 @@ def register(subparsers) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
                      help="dtype of the weights and the KV cache (default: %(default)s)")
+    eng.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS,
+                     default=DEFAULT_QUANTIZATION,
+                     help="weight-only quantized weights for few-token steps (decode); prefill "
+                     "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
+                     "default model), int8 for other quantized GGUFs, none for float weights "
+                     "(default: %(default)s)")
     eng.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                      help="tokens per KV block (default: %(default)s)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -198,6 +206,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "hash_algo": args.prefix_caching_hash_algo,
         "eviction_policy": args.eviction_policy,
         "enable_chunked_prefill": args.enable_chunked_prefill,
@@ -281,6 +290,10 @@ def _serve(args: argparse.Namespace, names: tuple[str, ...], llm, authenticator,
     from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
     engine = llm.engine
+    logger.info("weights: %.1f MiB dense + %.1f MiB quantized decode copies (%s); KV cache: "
+                "%d blocks of %d tokens", engine.dense_weight_bytes / 2**20,
+                engine.decode_weight_bytes / 2**20, engine.quantization,
+                engine.num_kv_blocks, engine.block_size)
     model_info = ModelInfo(served_model_names=names, root=str(args.model or DEFAULT_MODEL_NAME),
                            max_model_len=engine.max_model_len,
                            num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
