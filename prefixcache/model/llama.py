@@ -160,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
     2,000 x vocab logits.
 
     `decode_lm_head`, when set (`quantization.quantize_for_decode`), computes the logits in
-    place of the dense output weight; its own rule picks dense or quantized weights.
+    place of the dense output weight, choosing by the step's token count like the layers (so
+    a prefill step's logits come from the dense weights).
     """
 
     def __init__(self, config: ModelArchConfig) -> None:
@@ -205,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, kv_cache, metadata, rope)
         hidden = self.model.norm(hidden[logits_indices])  # [N, hidden]
         if self.decode_lm_head is not None:
-            return self.decode_lm_head(hidden).float()  # [N, vocab]
+            return self.decode_lm_head(hidden, input_ids.shape[0]).float()  # [N, vocab]
         return F.linear(hidden, self.output_weight).float()  # [N, vocab]
 
 

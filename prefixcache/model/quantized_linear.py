@@ -151,7 +151,8 @@ QuantizedWeight = Int4GroupWeight | Int8ChannelWeight
 class DecodeQuantizedLinear(nn.Module):
     """`nn.Linear` semantics with a quantized copy of the weight for inputs of few rows.
 
-    `forward(x)` with x [T, in_features]: when T <= `max_quantized_tokens`, computes
+    `forward(x, num_step_tokens=None)` with x [T, in_features]: when the step's token count
+    (`num_step_tokens`, default T) is at most `max_quantized_tokens`, computes
     `x @ quantized.T` with bfloat16 activations, then adds the bias in x's dtype;
     otherwise exactly `F.linear(x, weight, bias)` on the dense weight.
     """
@@ -175,8 +176,9 @@ class DecodeQuantizedLinear(nn.Module):
         self.quantized = quantized
         self.max_quantized_tokens = max_quantized_tokens
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_quantized_tokens:
+    def forward(self, x: torch.Tensor, num_step_tokens: int | None = None) -> torch.Tensor:
+        num_tokens = x.shape[0] if num_step_tokens is None else num_step_tokens
+        if num_tokens > self.max_quantized_tokens:
             return F.linear(x, self.weight, self.bias)
         out = self.quantized.matmul(x.to(KERNEL_DTYPE)).to(x.dtype)
         return out if self.bias is None else out + self.bias
