@@ -35,10 +35,10 @@ from prefixcache.model.quantized_linear import (
 )
 
 __all__ = ["DEFAULT_QUANTIZATION", "QUANTIZATION_METHODS", "quantize_for_decode"]
-# Steps with at most this many tokens use the quantized weights. A memory-bound matmul's
-# time hardly grows with its rows while the weight-only kernels' grows linearly; the two
-# cross at a few dozen rows for SmolLM2-135M's shapes on 2 cores (docs/benchmarks.md).
-DEFAULT_MAX_QUANTIZED_TOKENS = 32
+# Steps with at most this many tokens use the quantized weights. A memory-bound dense
+# matmul's time hardly grows with its rows while the weight-only kernels' grows about
+# linearly; for SmolLM2-135M's shapes on 2 cores int4 wins at 1-4 rows and loses from 8.
+DEFAULT_MAX_QUANTIZED_TOKENS = 4
 
 # (q [N, K] in 0..15, scale [N, K / 32], zero [N, K / 32]): see `Int4GroupWeight`.
 Int4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
