@@ -7,18 +7,22 @@ prompt ``p`` has index ``p * n + i`` and seed ``seed + i`` (when a seed is given
 
 Checks made here, before the engine sees anything, so each gets a precise 400: the
 model name (404), the prompt against the context and the KV pool, and ``max_tokens``
-against what the context leaves. The engine re-checks; its ValueError is a 400 too.
+against what the context leaves. The engine re-checks; its refusal
+(:class:`~prefixcache.engine.errors.InvalidRequestError`) is a 400 too, naming the prompt
+it is about rather than the internal request id.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.engine.async_llm import AsyncLLM, NewRequest
-from prefixcache.engine.output_stream import EngineDeadError, OutputStream
+from prefixcache.engine.errors import EngineDeadError, InvalidRequestError
+from prefixcache.engine.output_stream import OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body, error_json
@@ -41,6 +45,7 @@ from prefixcache.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
+from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -109,11 +114,13 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
+        # Large prompts are tokenized off the event loop (see worker_pool).
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -121,7 +128,7 @@ class OpenAIServing:
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
         model = self._check_model(request.model)
-        prompts_token_ids = [self._encode_prompt(p) for p in request.prompts()]
+        prompts_token_ids = [await self._encode_prompt(p) for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "cmpl", model, arrival_time)
@@ -140,7 +147,7 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
         model = self._check_model(request.model)
-        prompt_token_ids = self._render_chat(request)
+        prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
@@ -168,20 +175,23 @@ class OpenAIServing:
                            f"serves {', '.join(names)}", param="model", code="model_not_found")
         return requested
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        token_ids = self.tokenizer.encode(prompt)
+        token_ids = await self.tokenizer_pool.run(len(prompt), self.tokenizer.encode, prompt)
         if not token_ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         return token_ids
 
-    def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
+    async def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
         import jinja2
 
+        messages = request.chat_messages()
+        num_chars = sum(len(message["content"]) for message in messages)
         try:
-            token_ids = self.tokenizer.apply_chat_template(
-                request.chat_messages(), add_generation_prompt=True, tokenize=True)
+            token_ids = await self.tokenizer_pool.run(
+                num_chars, functools.partial(self.tokenizer.apply_chat_template, messages,
+                                             add_generation_prompt=True, tokenize=True))
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(f"cannot apply the chat template: {exc}",
                               param="messages") from exc
@@ -239,10 +249,14 @@ class OpenAIServing:
                     cache_salt, arrival_time))
         try:
             stream = await self.llm.add_requests(new_requests)
+        except InvalidRequestError as exc:
+            index = request_id_to_index.get(exc.request_id)
+            message = exc.message
+            if len(prompts_token_ids) > 1 and index is not None:
+                message = f"prompt {index // n}: {message}"
+            raise bad_request(message, param=exc.param) from exc
         except ValueError as exc:
-            message, param = _in_client_terms(str(exc), request_id_to_index, n,
-                                              len(prompts_token_ids))
-            raise bad_request(message, param=param) from exc
+            raise bad_request(str(exc)) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
@@ -350,20 +364,3 @@ class OpenAIServing:
                                              choices=[choice]).model_dump_json()
                 for choice in chunks]
 
-
-def _in_client_terms(message: str, request_id_to_index: dict[str, int], n: int,
-                     num_prompts: int) -> tuple[str, str | None]:
-    """An engine error about one of our internal requests, in the client's terms, and the
-    request field it is about.
-
-    The engine names the request by its internal id (``request 'cmpl-…-1-0': …``), which
-    means nothing to the client; name the prompt instead (or nothing, for a single
-    prompt). Such an error is about the prompt (a token id outside the vocabulary, ...):
-    the sampling parameters were validated here before the engine saw them. Any other
-    message is returned as is, naming no field."""
-    for request_id, index in request_id_to_index.items():
-        prefix = f"request {request_id!r}: "
-        if message.startswith(prefix):
-            rest = message[len(prefix):]
-            return (rest if num_prompts == 1 else f"prompt {index // n}: {rest}"), "prompt"
-    return message, None
