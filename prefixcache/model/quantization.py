@@ -6,10 +6,11 @@
 - `int4`: steps of at most `max_quantized_tokens` tokens multiply by 4-bit group-wise
   weights. For a GGUF file these are the file's own Q4_0/Q4_1 blocks, unchanged (the model
   computes what the file defines); other weights are rounded to Q4_1-style groups of 32.
-  The output head uses the file's 4-bit blocks when it has them, else int8 per row (a
-  Q8_0 or float head rounded to 4 bits would lose more than the file's format does).
+  The output head uses the file's 4-bit blocks when it has them, else int8 per row with
+  its leading logits recomputed from the dense weights (see `RescoredDecodeHead`; a Q8_0
+  or float head rounded to 4 bits would lose more than the file's format does).
 - `int8`: the same steps multiply by int8 weights with one scale per output row, rounded
-  from the dense weights (for bfloat16 / Hugging Face models).
+  from the dense weights (for bfloat16 / Hugging Face models); the output head as above.
 - `auto` (the default): `int4` for a GGUF file whose projections are 4-bit blocks, `int8`
   for another quantized GGUF file, `none` for float weights (a Hugging Face folder, an
   F32/F16/BF16 GGUF).
@@ -32,6 +33,7 @@ from prefixcache.model.quantized_linear import (
     Int4GroupWeight,
     Int8ChannelWeight,
     QuantizedWeight,
+    RescoredDecodeHead,
 )
 
 __all__ = ["DEFAULT_QUANTIZATION", "QUANTIZATION_METHODS", "quantize_for_decode"]
@@ -39,6 +41,10 @@ __all__ = ["DEFAULT_QUANTIZATION", "QUANTIZATION_METHODS", "quantize_for_decode"
 # matmul's time hardly grows with its rows while the weight-only kernels' grows about
 # linearly; for SmolLM2-135M's shapes on 2 cores int4 wins at 1-4 rows and loses from 8.
 DEFAULT_MAX_QUANTIZED_TOKENS = 4
+# An int8 output head recomputes this many leading logits per row from the dense weights:
+# far more than greedy decoding or a usual top-k needs, and a negligible matmul next to the
+# head's 49,152 rows (SmolLM2).
+NUM_RESCORED_LOGITS = 64
 
 # (q [N, K] in 0..15, scale [N, K / 32], zero [N, K / 32]): see `Int4GroupWeight`.
 Int4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -113,10 +119,14 @@ def quantize_for_decode(
     head_blocks = q4_blocks.get(head_name) if method == "int4" else None
     head_weight = model.output_weight
     if head_blocks is not None:
-        head: QuantizedWeight = Int4GroupWeight(*head_blocks, group_size=32)
+        # The file's own format: computed as the file defines it, nothing to correct.
+        model.decode_lm_head = DecodeQuantizedLinear(
+            head_weight, None, Int4GroupWeight(*head_blocks, group_size=32),
+            max_quantized_tokens)
     else:
-        head = Int8ChannelWeight.from_float(head_weight.detach())
-    model.decode_lm_head = DecodeQuantizedLinear(head_weight, None, head, max_quantized_tokens)
+        model.decode_lm_head = RescoredDecodeHead(
+            head_weight, Int8ChannelWeight.from_float(head_weight.detach()),
+            max_quantized_tokens, min(NUM_RESCORED_LOGITS, head_weight.shape[0]))
 
 
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:

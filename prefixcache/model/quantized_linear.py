@@ -191,5 +191,45 @@ class DecodeQuantizedLinear(nn.Module):
         )
 
 
+class RescoredDecodeHead(DecodeQuantizedLinear):
+    """An output head whose quantized logits have their `num_rescored` largest per row
+    recomputed with the dense weight.
+
+    Rounding a head's weights moves every logit a little, enough to swap the two leading
+    tokens when they are close, which changes greedy text. Recomputing the leading logits
+    from the dense rows costs a `num_rescored`-row matmul, so the leading logits (those
+    greedy and top-k/top-p sampling read) equal the dense head's up to summation order,
+    and the rest keep the quantized head's error. The result is in x's dtype, as
+    `DecodeQuantizedLinear`'s.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        quantized: QuantizedWeight,
+        max_quantized_tokens: int,
+        num_rescored: int,
+    ) -> None:
+        super().__init__(weight, None, quantized, max_quantized_tokens)
+        if not 0 < num_rescored <= weight.shape[0]:
+            raise ValueError(
+                f"num_rescored must be in 1..{weight.shape[0]}, got {num_rescored!r}"
+            )
+        self.num_rescored = num_rescored
+
+    def forward(self, x: torch.Tensor, num_step_tokens: int | None = None) -> torch.Tensor:
+        num_tokens = x.shape[0] if num_step_tokens is None else num_step_tokens
+        if num_tokens > self.max_quantized_tokens:
+            return F.linear(x, self.weight)
+        logits = self.quantized.matmul(x.to(KERNEL_DTYPE)).to(x.dtype)  # [T, vocab]
+        leading = logits.topk(self.num_rescored, dim=1, sorted=False).indices  # [T, k]
+        rows = self.weight.index_select(0, leading.reshape(-1)).view(*leading.shape, -1)
+        exact = torch.bmm(rows, x.unsqueeze(-1).to(rows.dtype)).squeeze(-1)  # [T, k]
+        return logits.scatter_(1, leading, exact.to(logits.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_rescored={self.num_rescored}"
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

@@ -27,6 +27,7 @@ from prefixcache.model.quantized_linear import (
     DecodeQuantizedLinear,
     Int4GroupWeight,
     Int8ChannelWeight,
+    RescoredDecodeHead,
 )
 from tests.model.test_gguf_loader import gguf_name, llama_cpp_permute
 
@@ -128,6 +129,30 @@ def test_decode_linear_picks_weights_by_token_count():
     assert torch.equal(linear(few), expected)
     assert linear(few).dtype == torch.float32
     assert not torch.equal(linear(few), F.linear(few, weight, bias))
+
+
+def test_rescored_head_recomputes_the_leading_logits_from_the_dense_weight():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(512, 64, generator=generator)
+    x = torch.randn(3, 64, generator=generator)
+    quantized = Int8ChannelWeight.from_float(weight)
+    head = RescoredDecodeHead(weight, quantized, max_quantized_tokens=4, num_rescored=8)
+    logits = head(x)
+    dense = F.linear(x, weight)
+    plain = quantized.matmul(x.to(torch.bfloat16)).float()
+    leading = plain.topk(8, dim=1).indices
+    # The leading logits are the dense head's; greedy picks the dense head's token.
+    torch.testing.assert_close(logits.gather(1, leading), dense.gather(1, leading))
+    assert torch.equal(logits.argmax(1), dense.argmax(1))
+    assert (logits.gather(1, leading) != plain.gather(1, leading)).all()  # recomputed
+    # The others keep the quantized head's values.
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, leading, False)
+    assert torch.equal(logits[rest], plain[rest])
+    # Steps above the limit are exactly the dense head.
+    many = torch.randn(5, 64, generator=generator)
+    assert torch.equal(head(many), F.linear(many, weight))
+    with pytest.raises(ValueError, match="num_rescored"):
+        RescoredDecodeHead(weight, quantized, 4, 0)
 
 
 @pytest.mark.parametrize(
