@@ -7,11 +7,16 @@ prompts and decodes it holds. Only `PagedAttention` looks at the KV cache.
 Parameter names follow Hugging Face's (`model.layers.N.self_attn...`) except two fusions done
 at load time by `load_hf_state_dict`: q/k/v projections into `qkv_proj` and gate/up into
 `gate_up_proj`, one matmul each instead of three and two.
+
+LoRA: `forward` takes the step's adapter deltas (`prefixcache.lora.slots.LoRAStepBatch`,
+None without adapters); each layer adds them right after each projection, whatever module
+computes the projection, so every token gets its own adapter's delta.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,9 @@ FUSED_PROJECTIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+if TYPE_CHECKING:
+    from prefixcache.lora.slots import LoRALayerStep, LoRAStepBatch
 
 
 class RMSNorm(nn.Module):
@@ -73,11 +81,14 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor],
+        lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
         """`rope`: the step's (cos, sin) from `RotaryEmbedding.tables`."""
         num_tokens = hidden.shape[0]
         cos, sin = rope
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.add("qkv_proj", hidden, qkv)
         value = qkv[:, self.q_size + self.kv_size :]
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
         if self.q_norm is None:
@@ -94,6 +105,8 @@ class LlamaAttention(nn.Module):
             query = apply_rotary(self.q_norm(query), cos, sin)
             key = apply_rotary(self.k_norm(key), cos, sin)
         attended = self.attn(query, key, value, kv_cache, metadata)  # [T, heads * d]
+        if lora is not None:
+            return lora.add("o_proj", attended, self.o_proj(attended))
         return self.o_proj(attended)
 
 
@@ -110,9 +123,14 @@ class LlamaMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRALayerStep | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate_up = lora.add("gate_up_proj", x, self.gate_up_proj(x))  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        activated = F.silu(gate) * up  # [T, intermediate]
+        return lora.add("down_proj", activated, self.down_proj(activated))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,10 +147,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor],
+        lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rope)
+        attended = self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rope, lora)
         hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaModel(nn.Module):
@@ -194,16 +213,20 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoRAStepBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] int64; one KVCache per layer; logits_indices [N] int64.
+        """input_ids [T] int64; one KVCache per layer; logits_indices [N] int64; `lora`
+        the step's adapter deltas, one entry per layer, or None for the base model alone.
 
         Returns [N, vocab_size] float32.
         """
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         # Every layer rotates by the same positions: look the tables up once per step.
         rope = self.model.rotary.tables(metadata.positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, kv_cache, metadata, rope)
+        lora_layers = lora.layers if lora is not None else [None] * len(kv_caches)
+        for layer, kv_cache, lora_layer in zip(self.model.layers, kv_caches, lora_layers,
+                                               strict=True):
+            hidden = layer(hidden, kv_cache, metadata, rope, lora_layer)
         hidden = self.model.norm(hidden[logits_indices])  # [N, hidden]
         if self.decode_lm_head is not None:
             return self.decode_lm_head(hidden, input_ids.shape[0]).float()  # [N, vocab]
