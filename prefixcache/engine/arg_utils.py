@@ -36,9 +36,11 @@ from prefixcache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_QUANTIZATION,
     DTYPES,
     EVICTION_POLICIES,
     HASH_ALGOS,
+    QUANTIZATION_METHODS,
 )
 from prefixcache.core.eviction import describe_eviction_policies
 from prefixcache.engine.option_fields import (
@@ -99,7 +101,10 @@ class EngineArgs(DeclaredOptions):
     Hugging Face model folder, or a :class:`~prefixcache.model.loader.LoadedModel`
     already in memory (shared, e.g., by engines compared side by side; it is not checked
     here, the loader says what is wrong with a path). ``dtype`` None means float32, or a
-    loaded model's own weights' dtype.
+    loaded model's own weights' dtype. ``quantization`` (see
+    :mod:`prefixcache.model.quantization`) gives steps with few tokens weight-only
+    quantized copies of the weights, memory on top of the weights and outside the KV
+    budget.
 
     The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
     ``kv_cache_memory_bytes``, capped at what ``max_num_seqs`` full-context sequences
@@ -122,6 +127,12 @@ class EngineArgs(DeclaredOptions):
     dtype: str | None = option(
         None, "--dtype", choices=DTYPES, default_text=DEFAULT_DTYPE,
         help="dtype of the weights and the KV cache")
+    quantization: str = option(
+        DEFAULT_QUANTIZATION, "--quantization", "-q", choices=QUANTIZATION_METHODS,
+        help="weight-only quantized weights for steps of a few tokens (decode); prefill "
+             "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
+             "default model), int8 for other quantized GGUFs, none for float weights; a "
+             "loaded model keeps the quantization it was loaded with")
     block_size: int = option(
         DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,
         wanted="a positive integer", parse=positive_int, help="tokens per KV block")

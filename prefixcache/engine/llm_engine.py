@@ -41,6 +41,7 @@ from prefixcache.lora.errors import LoRAError
 from prefixcache.lora.registry import LoRARegistry
 from prefixcache.lora.request import LoRARequest
 from prefixcache.model.loader import LoadedModel, load_model
+from prefixcache.model.quantization import decode_weight_bytes, dense_weight_bytes
 from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
 from prefixcache.worker.kv_transfer import kv_layout
 from prefixcache.worker.model_runner import ModelRunner
@@ -71,6 +72,10 @@ class LLMEngine:
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
         self.max_model_len = self.arch_config.max_position_embeddings
+        self.quantization = model_config.quantization
+        # Memory outside the KV pool: the dense weights plus any quantized decode copies.
+        self.dense_weight_bytes = dense_weight_bytes(loaded_model.model)
+        self.decode_weight_bytes = decode_weight_bytes(loaded_model.model)
         self.block_size = cache_config.block_size
         dtype = TORCH_DTYPES[model_config.dtype]
         self.num_kv_blocks = (
@@ -124,19 +129,26 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         """Load the model and build the engine the (already checked) arguments describe.
 
-        A loaded model whose weights are in another dtype than the one asked for is
-        refused. Raises ValueError for that, FileNotFoundError for a missing model and
-        ValueError naming the model for one that cannot be loaded (not a model, corrupt,
-        an unsupported architecture).
+        A loaded model whose weights are in another dtype, or that was loaded with another
+        quantization, than the one asked for is refused. Raises ValueError for that,
+        FileNotFoundError for a missing model and ValueError naming the model for one
+        that cannot be loaded (not a model, corrupt, an unsupported architecture).
         """
         model = engine_args.model
         if isinstance(model, LoadedModel):
             loaded = model
-            model_config = ModelConfig(None, _dtype_of_loaded_model(model, engine_args.dtype))
+            if engine_args.quantization not in ("auto", model.quantization):
+                raise ValueError(f"quantization {engine_args.quantization!r} does not match "
+                                 f"the loaded model's {model.quantization!r}; load the model "
+                                 "with it or leave quantization unset")
+            model_config = ModelConfig(None, _dtype_of_loaded_model(model, engine_args.dtype),
+                                       model.quantization)
         else:
             model_path = None if model is None else str(model)
-            model_config = ModelConfig(model_path, engine_args.dtype or DEFAULT_DTYPE)
-            loaded = _load(model_path, model_config.dtype)
+            loaded = _load(model_path, engine_args.dtype or DEFAULT_DTYPE,
+                           engine_args.quantization)
+            model_config = ModelConfig(model_path, engine_args.dtype or DEFAULT_DTYPE,
+                                       loaded.quantization)
         return cls(loaded, model_config, engine_args)
 
     # -- requests in and out ------------------------------------------------------------
@@ -450,7 +462,7 @@ def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:
     return name
 
 
-def _load(model_path: str | None, dtype: str) -> LoadedModel:
+def _load(model_path: str | None, dtype: str, quantization: str) -> LoadedModel:
     """``load_model``, with every failure but a missing path reported as a ValueError that
     names the model (the loader's own messages may name only a field or a file format)."""
     if model_path is not None:
@@ -459,7 +471,7 @@ def _load(model_path: str | None, dtype: str) -> LoadedModel:
             raise ValueError(f"{model_path} is neither a .gguf file nor a Hugging Face model "
                              "folder")
     try:
-        return load_model(model_path, TORCH_DTYPES[dtype])
+        return load_model(model_path, TORCH_DTYPES[dtype], quantization)
     except FileNotFoundError:
         raise
     except Exception as error:  # noqa: BLE001 - corrupt files fail in many ways

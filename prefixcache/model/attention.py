@@ -57,7 +57,7 @@ class PagedAttention(nn.Module):
         key_slots_view.index_copy_(0, metadata.slot_mapping, key.to(key_slots_view.dtype))
         value_slots_view.index_copy_(0, metadata.slot_mapping, value.to(value_slots_view.dtype))
 
-        output = query.new_empty(num_tokens, kv_heads, group, head_dim)
+        output = query.new_empty(num_tokens, kv_heads, group, head_dim) if metadata.chunks else None
         for chunk in metadata.chunks:
             start, end = chunk.token_start, chunk.token_end
             num_queries = end - start
@@ -92,9 +92,12 @@ class PagedAttention(nn.Module):
 
         if metadata.decode_token_indices is not None:
             indices = metadata.decode_token_indices
+            # Without chunks every token is a decode, in order: no gather, no scatter.
+            all_decodes = not metadata.chunks
             # [D, kv_heads * group, d] -> [D, kv_heads, group, d]: the group's query heads are
             # the query rows.
-            decode_query = query.index_select(0, indices).view(-1, kv_heads, group, head_dim)
+            decode_query = query if all_decodes else query.index_select(0, indices)
+            decode_query = decode_query.view(-1, kv_heads, group, head_dim)
             if metadata.decode_shared_prefixes:
                 attended = self._cascade_decode(
                     decode_query, key_slots_view, value_slots_view, metadata
@@ -108,6 +111,8 @@ class PagedAttention(nn.Module):
                     _gather_rows(value_slots_view, key_slots, query.dtype).transpose(1, 2),
                     attn_mask=metadata.decode_key_mask,
                 )
+            if all_decodes:
+                return attended.to(query.dtype).reshape(num_tokens, self.num_heads * head_dim)
             output.index_copy_(0, indices, attended.to(output.dtype))  # [D, kv_heads, group, d]
         return output.view(num_tokens, self.num_heads * head_dim)
 

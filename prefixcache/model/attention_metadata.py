@@ -77,7 +77,8 @@ class AttentionMetadata:
     - `decode_key_slots` [num_decodes, max_suffix_len] int64: slots of each decode's keys
       after its groups' shared runs (all of its keys when in no group), in position order,
       padded with slot 0.
-    - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys.
+    - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys;
+      None when there are no shared prefixes and no padding (every row all real keys).
     """
 
     positions: torch.Tensor

@@ -51,3 +51,42 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     if not values.flags.writeable:
         values = values.copy()  # unquantized tensors come back as views of the read-only map
     return values.reshape(shape)
+
+
+# GGUF 4-bit block types whose values map exactly onto group-wise int4 with a scale and a
+# zero point per block of 32: Q4_0 (`w = d * (q - 8)`) and Q4_1 (`w = d * q + m`).
+_Q4_BLOCK_BYTES = {
+    gguf.GGMLQuantizationType.Q4_0: 18,  # fp16 d, 16 bytes of nibbles
+    gguf.GGMLQuantizationType.Q4_1: 20,  # fp16 d, fp16 m, 16 bytes of nibbles
+}
+Q4_BLOCK_SIZE = 32
+
+
+def is_q4_block_tensor(tensor: Any) -> bool:
+    """Whether `read_q4_blocks` can read this GGUF tensor."""
+    return tensor.tensor_type in _Q4_BLOCK_BYTES
+
+
+def read_q4_blocks(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 or Q4_1 tensor's own 4-bit values, unchanged: (q, scale, zero) with
+    `weight = (q - 8) * scale + zero` exactly.
+
+    q is uint8 [rows, cols] in 0..15; scale and zero are float32 [rows, cols // 32], one per
+    block of 32 consecutive values of a row (Q4_1: scale = d, zero = m + 8 d, computed in
+    float32 from the fp16 d and m; Q4_0: scale = d, zero = 0).
+    """
+    block_bytes = _Q4_BLOCK_BYTES.get(tensor.tensor_type)
+    if block_bytes is None:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    blocks = np.asarray(tensor.data).reshape(rows, cols // Q4_BLOCK_SIZE, block_bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., block_bytes - 16 :]
+    # Byte j of a block holds value j in its low nibble and value j + 16 in its high one.
+    q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
+    if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = minimum + 8 * scale
+    else:
+        zero = np.zeros_like(scale)
+    return q, scale, zero

@@ -25,7 +25,13 @@ from torch import nn
 from prefixcache.model.attention import PagedAttention
 from prefixcache.model.attention_metadata import AttentionMetadata, KVCache
 from prefixcache.model.config import ModelArchConfig
-from prefixcache.model.rope import RotaryEmbedding
+from prefixcache.model.rope import RotaryEmbedding, apply_rotary
+
+# Fused projection -> the Hugging Face projections stacked in it, in row order.
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 if TYPE_CHECKING:
     from prefixcache.lora.slots import LoRALayerStep, LoRAStepBatch
@@ -40,6 +46,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; in float32 it is bit-identical to the steps below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -48,7 +57,7 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Projections, optional Q/K norm and RoPE around one `PagedAttention`."""
 
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -64,7 +73,6 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = rotary  # shared by all layers; not a parameter
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
 
     def forward(
@@ -72,20 +80,30 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor],
         lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
+        """`rope`: the step's (cos, sin) from `RotaryEmbedding.tables`."""
         num_tokens = hidden.shape[0]
+        cos, sin = rope
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         if lora is not None:
             qkv = lora.add("qkv_proj", hidden, qkv)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, d]
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        value = qkv[:, self.q_size + self.kv_size :]
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
-        if self.q_norm is not None:
-            query = self.q_norm(query)
-            key = self.k_norm(key)
-        query, key = self.rotary(metadata.positions, query, key)
+        if self.q_norm is None:
+            # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads,
+            # d] tensor (elementwise, so the same values as rotating each).
+            query_key = qkv[:, : self.q_size + self.kv_size]
+            query_key = query_key.view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+            query_key = apply_rotary(query_key, cos, sin)
+            query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            query, key, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, d]
+            key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
+            query = apply_rotary(self.q_norm(query), cos, sin)
+            key = apply_rotary(self.k_norm(key), cos, sin)
         attended = self.attn(query, key, value, kv_cache, metadata)  # [T, heads * d]
         if lora is not None:
             return lora.add("o_proj", attended, self.o_proj(attended))
@@ -116,10 +134,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -128,9 +146,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor],
         lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, lora)
+        attended = self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rope, lora)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
@@ -138,18 +158,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # One RoPE table for all layers, kept outside the module tree's parameters.
-        rotary = RotaryEmbedding(
+        # One RoPE table for all layers (buffers only, not parameters).
+        self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             config.rope_freq_factors,
         )
-        self.rotary = rotary
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -160,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
     tokens and returns float32 logits only for the rows in `logits_indices` (the last token
     of each sequence that will sample), so a 2,000-token prefill never materialises
     2,000 x vocab logits.
+
+    `decode_lm_head`, when set (`quantization.quantize_for_decode`), computes the logits in
+    place of the dense output weight, choosing by the step's token count like the layers (so
+    a prefill step's logits come from the dense weights).
     """
 
     def __init__(self, config: ModelArchConfig) -> None:
@@ -170,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_lm_head: nn.Module | None = None
 
     @classmethod
     def empty(cls, config: ModelArchConfig) -> LlamaForCausalLM:
@@ -199,11 +221,15 @@ class LlamaForCausalLM(nn.Module):
         Returns [N, vocab_size] float32.
         """
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        # Every layer rotates by the same positions: look the tables up once per step.
+        rope = self.model.rotary.tables(metadata.positions, hidden.dtype)
         lora_layers = lora.layers if lora is not None else [None] * len(kv_caches)
         for layer, kv_cache, lora_layer in zip(self.model.layers, kv_caches, lora_layers,
                                                strict=True):
-            hidden = layer(hidden, kv_cache, metadata, lora_layer)
+            hidden = layer(hidden, kv_cache, metadata, rope, lora_layer)
         hidden = self.model.norm(hidden[logits_indices])  # [N, hidden]
+        if self.decode_lm_head is not None:
+            return self.decode_lm_head(hidden, input_ids.shape[0]).float()  # [N, vocab]
         return F.linear(hidden, self.output_weight).float()  # [N, vocab]
 
 
@@ -223,13 +249,19 @@ def load_hf_state_dict(
     # Where each HF projection lands inside a fused parameter: (fused name, row offset).
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    fused_rows = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", q_size),
-        "v_proj": ("qkv_proj", q_size + kv_size),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", config.intermediate_size),
+    part_rows = {
+        "q_proj": q_size,
+        "k_proj": kv_size,
+        "v_proj": kv_size,
+        "gate_proj": config.intermediate_size,
+        "up_proj": config.intermediate_size,
     }
+    fused_rows: dict[str, tuple[str, int]] = {}
+    for fused, parts in FUSED_PROJECTIONS.items():
+        offset = 0
+        for part in parts:
+            fused_rows[part] = (fused, offset)
+            offset += part_rows[part]
     partial_rows: dict[str, int] = {}
     unexpected: list[str] = []
     with torch.no_grad():

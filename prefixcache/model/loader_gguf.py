@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from prefixcache.model.config import ModelArchConfig
-from prefixcache.model.gguf_file import dequantize_tensor, open_gguf, read_gguf_metadata
+from prefixcache.model.gguf_file import (
+    dequantize_tensor,
+    is_q4_block_tensor,
+    open_gguf,
+    read_gguf_metadata,
+    read_q4_blocks,
+)
 from prefixcache.model.llama import LlamaForCausalLM, load_hf_state_dict
 
 # GGUF tensor name -> Hugging Face name; "{i}" is the layer index.
@@ -96,6 +102,25 @@ def iter_gguf_hf_tensors(
         elif unpermute and ".self_attn.k_proj." in hf_name:
             values = unpermute_qk_rows(values, arch_config.num_kv_heads)
         yield hf_name, values
+
+
+def iter_gguf_q4_blocks(
+    reader: Any, arch_config: ModelArchConfig
+) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Yield (Hugging Face name, (q, scale, zero)) for every Q4_0/Q4_1 weight of the file,
+    its 4-bit values as stored (see `read_q4_blocks`), rows un-permuted like
+    `iter_gguf_hf_tensors`'s, so that they line up with the dense weights."""
+    unpermute = arch_config.family == "llama"
+    for tensor in reader.tensors:
+        if not is_q4_block_tensor(tensor):
+            continue
+        hf_name = _hf_name(tensor.name)
+        blocks = tuple(torch.from_numpy(array) for array in read_q4_blocks(tensor))
+        if unpermute and ".self_attn.q_proj." in hf_name:
+            blocks = tuple(unpermute_qk_rows(part, arch_config.num_heads) for part in blocks)
+        elif unpermute and ".self_attn.k_proj." in hf_name:
+            blocks = tuple(unpermute_qk_rows(part, arch_config.num_kv_heads) for part in blocks)
+        yield hf_name, blocks
 
 
 def _hf_name(gguf_name: str) -> str:

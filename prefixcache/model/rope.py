@@ -85,15 +85,22 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] (each < max_positions, checked by the caller);
         query [T, num_heads, head_dim]; key [T, num_kv_heads, head_dim]."""
-        cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, head_dim // 2]
-        sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, head_dim // 2]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        cos, sin = self.tables(positions, query.dtype)
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of `positions` [T], each [T, 1, head_dim // 2] in `dtype`: computed once
+        per step and applied by every layer with `apply_rotary`."""
+        # The reference casts cos/sin to the activation dtype and rotates there; do the same
+        # so bfloat16 results match it, not a float32 variant.
+        cos = self.cos_table[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_table[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The reference casts cos/sin to the activation dtype and rotates there; do the same so
-    # bfloat16 results match it, not a float32 variant.
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by `RotaryEmbedding.tables` of its positions."""
     first, second = x.chunk(2, dim=-1)  # each [T, heads, head_dim // 2]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

@@ -260,9 +260,11 @@ class ModelRunner:
         )  # flattened by attention, so kept contiguous
         lens = torch.tensor(suffix_lens, dtype=torch.int64)
         key_mask = torch.arange(max_len)[None, :] < lens[:, None]  # [D, max_len]
+        # Unpadded (every suffix max_len long) the plain path needs no mask at all.
         metadata.decode_token_indices = torch.tensor(decode_rows, dtype=torch.int64)
         metadata.decode_key_slots = key_slots
-        metadata.decode_key_mask = key_mask[:, None, None, :]  # [D, 1, 1, max_len]
+        if shared_prefixes or min(suffix_lens) < max_len:
+            metadata.decode_key_mask = key_mask[:, None, None, :]  # [D, 1, 1, max_len]
         metadata.decode_shared_prefixes = tuple(
             SharedPrefixGroup(
                 decode_rows=torch.tensor(rows, dtype=torch.int64),

@@ -47,6 +47,8 @@ def test_the_checks_run_once_on_construction_naming_the_option():
     with pytest.raises(ValueError,
                        match=r"^dtype must be one of float32, bfloat16 or None, got 'f16'$"):
         EngineArgs(dtype="f16")
+    with pytest.raises(ValueError, match=r"^quantization must be one of auto, none, int8, int4"):
+        EngineArgs(quantization="q4_1")
     assert EngineArgs(num_kv_blocks=None, dtype=None, seed=-(2**63)).seed == -(2**63)
 
 

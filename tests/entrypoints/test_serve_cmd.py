@@ -39,17 +39,19 @@ def test_flags_map_to_engine_args_in_vllm_spelling():
         "serve", "/models/m", "--block-size", "32", "--no-enable-prefix-caching",
         "--prefix-caching-hash-algo", "sha256_cbor", "--num-gpu-blocks-override", "100",
         "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-        "--dtype", "bfloat16", "--seed", "3", "--eviction-policy", "2q"])
+        "--dtype", "bfloat16", "--seed", "3", "--eviction-policy", "2q",
+        "--quantization", "int8"])
     assert EngineArgs.from_cli_args(args) == EngineArgs(
         "/models/m", enable_prefix_caching=False, block_size=32, num_kv_blocks=100,
-        dtype="bfloat16", hash_algo="sha256_cbor", eviction_policy="2q",
+        dtype="bfloat16", quantization="int8", hash_algo="sha256_cbor", eviction_policy="2q",
         enable_chunked_prefill=True, seed=3, kv_cache_memory_bytes=1 << 30,
         max_num_seqs=8, max_num_batched_tokens=512)
     # The aliases set the same options.
     aliases = build_parser().parse_args(["serve", "--num-kv-blocks", "7",
-                                         "--kv-cache-memory-bytes", "1000"])
+                                         "--kv-cache-memory-bytes", "1000", "-q", "int4"])
     aliased = EngineArgs.from_cli_args(aliases)
     assert (aliased.num_kv_blocks, aliased.kv_cache_memory_bytes) == (7, 1000)
+    assert aliased.quantization == "int4"
     # No flag: the engine's own defaults, exactly as the Python API has them.
     assert EngineArgs.from_cli_args(build_parser().parse_args(["serve"])) == EngineArgs()
     assert EngineArgs().eviction_policy == DEFAULT_EVICTION_POLICY == "lru"

@@ -187,6 +187,10 @@ def _serve(engine_args: EngineArgs, names: tuple[str, ...], llm, authenticator,
     from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
     engine = llm.engine
+    logger.info("weights: %.1f MiB dense + %.1f MiB quantized decode copies (%s); KV cache: "
+                "%d blocks of %d tokens", engine.dense_weight_bytes / 2**20,
+                engine.decode_weight_bytes / 2**20, engine.quantization,
+                engine.num_kv_blocks, engine.block_size)
     model_info = ModelInfo(served_model_names=names,
                            root=str(engine_args.model or DEFAULT_MODEL_NAME),
                            max_model_len=engine.max_model_len,
