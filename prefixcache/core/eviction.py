@@ -549,3 +549,8 @@ def make_free_block_queue(
             f"{', '.join(EVICTION_POLICIES)}"
         ) from None
     return policy(blocks)
+
+# Registered last: the adaptive queue builds on TwoQueueFreeBlockQueue above.
+from prefixcache.core.adaptive_eviction import AdaptiveFreeBlockQueue  # noqa: E402
+
+EVICTION_POLICIES[AdaptiveFreeBlockQueue.policy_name] = AdaptiveFreeBlockQueue
