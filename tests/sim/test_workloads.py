@@ -80,7 +80,7 @@ def test_each_turn_extends_the_previous_prompt(family, kind):
     request_to_ids = {id(r): interner.hash_ids(r.segments) for r in requests}
     num_extended = 0
     for turns in _by_stream(requests, kind).values():
-        for previous, current in zip(turns, turns[1:]):
+        for previous, current in zip(turns, turns[1:], strict=False):
             assert current.segments[0] == previous.segments[0]  # same system / tools
             grown = current.segments[1][1] - previous.segments[1][1]
             assert grown > previous.output_length  # the answer and a new message

@@ -36,9 +36,9 @@ class MixtureWorkload:
     name = "mixture"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        families = [self.chat, replace(self.rag, popularity_drift_every=self.popularity_drift_every),
-                    self.agent,
-                    replace(self.tenants, popularity_drift_every=self.popularity_drift_every)]
+        drift = self.popularity_drift_every
+        families = [self.chat, replace(self.rag, popularity_drift_every=drift), self.agent,
+                    replace(self.tenants, popularity_drift_every=drift)]
         # Each family could in the worst case supply every request.
         streams = [iter(family.generate(num_requests, random.Random(rng.random())))
                    for family in families]
