@@ -129,17 +129,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     def _set_protected_fraction(self, fraction: float) -> None:
         self.max_protected = int(fraction * self.num_blocks)
-        self._demote_overflow()
-
-    def _demote_overflow(self) -> None:
-        overflow = self.upper.num_free_blocks - self.max_protected
-        if overflow > 0:
-            demoted = self.upper.popleft_n(overflow)
-            in_upper = self.in_upper
-            for block in demoted:
-                in_upper[block.block_id] = 0
-            self.num_free_blocks -= overflow
-            self.append_n(demoted)
+        self._protect([])  # demotes whatever the new cap leaves over to probation
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         super().release(blocks, request)
