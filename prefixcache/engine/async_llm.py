@@ -19,9 +19,10 @@ Contracts:
   ``n`` choices of one prompt, or a batch of prompts) and ends once all of them finished.
   Leaving it early (``aclose``, ``async with``, cancellation, a client disconnect) aborts
   the unfinished ones, so their KV blocks are freed.
-* ``add_requests`` returns only once the engine accepted every request, so a ValueError
-  from the engine (a bad prompt, bad sampling params) reaches the caller before it commits
-  to a response. A partial batch is never left running.
+* ``add_requests`` returns only once the engine accepted every request, so the engine's
+  :class:`~prefixcache.engine.errors.InvalidRequestError` (a bad prompt, bad sampling
+  params) reaches the caller as raised, before it commits to a response. A partial batch
+  is never left running.
 * An aborted request's stream ends with the engine's own final output for it, which the
   engine's next step reports: ``finish_reason="abort"``, with the cumulative text and
   tokens so far (text held back for a possible stop string included). Nothing else the
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -51,11 +53,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.engine.output_stream import EngineDeadError, OutputStream
+from prefixcache.engine.errors import EngineDeadError, InvalidRequestError
+from prefixcache.engine.output_stream import OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.stats import EngineStats
 
 if TYPE_CHECKING:
+    from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.events.publisher import EventPublisher
 
@@ -159,40 +163,25 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_options(cls, *, kv_events_endpoint: str | None = None,
-                     kv_events_replay_endpoint: str | None = None,
-                     kv_events_topic: str = "", kv_events_block_hash_format: str = "int64",
-                     kv_events_data_parallel_rank: int = 0,
-                     **engine_options: Any) -> AsyncLLM:
-        """Build the engine (``LLMEngine.from_options(**engine_options)``) and, when
-        ``kv_events_endpoint`` is set, a ZMQ KV event publisher bound to it (events are
-        then switched on in the engine).
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         kv_events_args: KVEventsArgs | None = None) -> AsyncLLM:
+        """Build the engine (``LLMEngine.from_engine_args``) and, when ``kv_events_args``
+        names an endpoint, a ZMQ KV event publisher bound to it (events are then switched
+        on in the engine).
 
-        ``kv_events_data_parallel_rank`` is this replica's rank among the engines behind one
-        router: it is stamped into every batch, and both endpoints are passed through
-        ``endpoint_for_rank`` first, so replicas given the same endpoints bind distinct
+        Both endpoints are passed through ``endpoint_for_rank`` with the
+        ``data_parallel_rank`` first, so replicas given the same endpoints bind distinct
         ones (rank 0 binds them as given). Everything about the endpoints is checked
         before the model loads: an endpoint the rank cannot be applied to raises
         ValueError, a bad or taken one ``zmq.ZMQError``."""
         from prefixcache.engine.llm_engine import LLMEngine
-        from prefixcache.events.endpoint import endpoint_for_rank
-        from prefixcache.events.publisher import make_event_publisher
 
         publisher = None
-        if kv_events_endpoint is not None:
-            rank = kv_events_data_parallel_rank
-            replay_endpoint = (None if kv_events_replay_endpoint is None
-                               else endpoint_for_rank(kv_events_replay_endpoint, rank))
-            publisher = make_event_publisher(endpoint_for_rank(kv_events_endpoint, rank),
-                                             replay_endpoint=replay_endpoint,
-                                             topic=kv_events_topic,
-                                             data_parallel_rank=rank,
-                                             block_hash_format=kv_events_block_hash_format)
-            engine_options["enable_kv_events"] = True
-        elif kv_events_replay_endpoint is not None:
-            raise ValueError("a KV events replay endpoint needs --kv-events-endpoint too")
+        if kv_events_args is not None and kv_events_args.enabled:
+            publisher = _make_publisher(kv_events_args)
+            engine_args = dataclasses.replace(engine_args, enable_kv_events=True)
         try:
-            engine = LLMEngine.from_options(**engine_options)
+            engine = LLMEngine.from_engine_args(engine_args)
         except BaseException:
             if publisher is not None:
                 publisher.close()
@@ -208,14 +197,21 @@ class AsyncLLM:
                 and self._thread.is_alive())
 
     def get_stats(self) -> EngineStats:
-        """The engine's stats as of the end of the engine loop's last iteration."""
-        return self._stats
+        """The engine's stats as of the end of the engine loop's last iteration, with the
+        event publisher's counters as of now (it sends on a thread of its own)."""
+        stats = copy.copy(self._stats)
+        publisher = self.event_publisher
+        if publisher is not None:
+            stats.kv_events_published = publisher.num_published_batches
+            stats.kv_events_dropped = publisher.num_dropped_batches
+        return stats
 
     async def add_requests(self, requests: Sequence[NewRequest]) -> OutputStream:
         """Add ``requests`` to the engine as one group; returns their output stream.
 
-        Raises ValueError (and adds nothing) if the engine refuses any of them, and
-        EngineDeadError if the engine loop is gone.
+        Raises the engine's InvalidRequestError (a ValueError; other ValueErrors of a
+        non-conforming engine as ValueError) and adds nothing if the engine refuses any
+        of them, and EngineDeadError if the engine loop is gone.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
@@ -382,7 +378,8 @@ class AsyncLLM:
         except (ValueError, TypeError) as exc:
             # Their final outputs go to this stream, which nobody will read.
             self._apply_abort(added, command.stream)
-            _resolve(command.loop, command.done, exception=ValueError(str(exc)))
+            refusal = exc if isinstance(exc, InvalidRequestError) else ValueError(str(exc))
+            _resolve(command.loop, command.done, exception=refusal)
             return
         _resolve(command.loop, command.done, result=None)
 
@@ -473,6 +470,21 @@ class AsyncLLM:
             except queue.Empty:
                 return
             _refuse([command], error)
+
+
+def _make_publisher(kv_events_args: KVEventsArgs) -> EventPublisher:
+    from prefixcache.events.endpoint import endpoint_for_rank
+    from prefixcache.events.publisher import make_event_publisher
+
+    rank = kv_events_args.data_parallel_rank
+    replay_endpoint = kv_events_args.kv_events_replay_endpoint
+    if replay_endpoint is not None:
+        replay_endpoint = endpoint_for_rank(replay_endpoint, rank)
+    return make_event_publisher(endpoint_for_rank(kv_events_args.kv_events_endpoint, rank),
+                                replay_endpoint=replay_endpoint,
+                                topic=kv_events_args.kv_events_topic,
+                                data_parallel_rank=rank,
+                                block_hash_format=kv_events_args.kv_events_block_hash_format)
 
 
 def _refuse(commands: Sequence[Any], error: BaseException) -> None:

@@ -14,28 +14,21 @@ requests that finished.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from prefixcache.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_DTYPE,
-    DEFAULT_EVICTION_POLICY,
-    DEFAULT_HASH_ALGO,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from prefixcache.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerOutput
+from prefixcache.engine.arg_utils import EngineArgs, config_from
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
@@ -53,23 +46,18 @@ class LLMEngine:
     """One model, one paged KV cache, one scheduler. Not thread-safe: drive it from one
     thread (``AsyncLLM`` does so for the server).
 
-    Use :meth:`from_options` to build one. Attributes callers rely on: ``tokenizer``,
-    ``max_model_len`` (the model's context length), ``num_kv_blocks``, ``block_size``.
+    Use :meth:`from_options` or :meth:`from_engine_args` to build one. Attributes callers
+    rely on: ``tokenizer``, ``max_model_len`` (the model's context length),
+    ``num_kv_blocks``, ``block_size``, ``engine_args`` (the options it was built from).
     """
 
-    def __init__(
-        self,
-        loaded_model: LoadedModel,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        *,
-        seed: int | None = None,
-        hash_seed: str | None = None,
-    ) -> None:
+    def __init__(self, loaded_model: LoadedModel, model_config: ModelConfig,
+                 engine_args: EngineArgs) -> None:
+        """Use :meth:`from_engine_args`, which loads the model and resolves its config."""
+        self.engine_args = engine_args
         self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config = config_from(engine_args, CacheConfig)
+        self.scheduler_config = scheduler_config = config_from(engine_args, SchedulerConfig)
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
@@ -86,7 +74,7 @@ class LLMEngine:
             self.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.hash_algo,
-            hash_seed=hash_seed,
+            hash_seed=engine_args.hash_seed,
             enable_events=cache_config.enable_kv_events,
             eviction_policy=cache_config.eviction_policy,
         )
@@ -94,89 +82,42 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
         )
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(engine_args.seed)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(self.arch_config.eos_token_ids)
         self.vocab_size = self.arch_config.vocab_size
         self.request_states: dict[str, RequestState] = {}
         # Outputs decided outside a step (aborts) are delivered by the next step().
         self._pending_outputs: list[RequestOutput] = []
-        self._stats = EngineStats()
+        # The counters, kept up to date where they happen; get_stats adds the gauges.
+        self._stats = EngineStats(num_kv_blocks=self.num_kv_blocks)
 
     @classmethod
-    def from_options(
-        cls,
-        model: str | Path | LoadedModel | None = None,
-        *,
-        enable_prefix_caching: bool = True,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        enable_chunked_prefill: bool = True,
-        hash_algo: str = DEFAULT_HASH_ALGO,
-        hash_seed: str | None = None,
-        eviction_policy: str = DEFAULT_EVICTION_POLICY,
-        seed: int | None = None,
-        enable_kv_events: bool = False,
-    ) -> LLMEngine:
-        """Validate the options, load the model and build the engine.
+    def from_options(cls, model: str | Path | LoadedModel | None = None,
+                     **options: Any) -> LLMEngine:
+        """``from_engine_args(EngineArgs(model, **options))``: the options are the fields
+        of :class:`~prefixcache.engine.arg_utils.EngineArgs`, which documents them and
+        their defaults."""
+        return cls.from_engine_args(EngineArgs(model, **options))
 
-        ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
-        Hugging Face model folder, or an already loaded :class:`LoadedModel` (shared, e.g.
-        by engines compared side by side). ``dtype`` (weights and KV cache) defaults to
-        float32, or to the weights' own dtype for a loaded model; a loaded model whose
-        weights are in another dtype than the one asked for is refused.
-        ``seed`` seeds the sampling of requests without their own seed; ``hash_seed`` the
-        prefix-cache block hashes. ``eviction_policy`` (one of
-        :data:`~prefixcache.core.EVICTION_POLICIES`, default ``lru``) decides which free
-        cached block is evicted first; see :mod:`prefixcache.core.eviction`.
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """Load the model and build the engine the (already checked) arguments describe.
 
-        The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
-        ``kv_cache_memory_bytes`` (default 2 GiB: ~2,900 blocks of 16 tokens, ~46k tokens,
-        for SmolLM2-135M in float32), capped at ``max_num_seqs`` full-context sequences.
-        Each step computes at most ``max_num_batched_tokens`` tokens (default 2048, so a
-        2,000-token prompt prefills in one step) for at most ``max_num_seqs`` requests.
-
-        Raises ValueError for an invalid option, FileNotFoundError for a missing model and
+        A loaded model whose weights are in another dtype than the one asked for is
+        refused. Raises ValueError for that, FileNotFoundError for a missing model and
         ValueError naming the model for one that cannot be loaded (not a model, corrupt,
         an unsupported architecture).
         """
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, value in (("enable_prefix_caching", enable_prefix_caching),
-                            ("enable_chunked_prefill", enable_chunked_prefill)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        model_path = None if model is None or isinstance(model, LoadedModel) else str(model)
-        model_config = ModelConfig(model=model_path, dtype=dtype or DEFAULT_DTYPE)
+        model = engine_args.model
         if isinstance(model, LoadedModel):
-            model_config = ModelConfig(dtype=_dtype_of_loaded_model(model, dtype))
-        cache_config = CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            hash_algo=hash_algo,
-            enable_kv_events=enable_kv_events,
-            eviction_policy=eviction_policy,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                                 or not -(2**63) <= seed < 2**63):
-            raise ValueError(f"seed must be a signed 64-bit integer or None, got {seed!r}")
-        loaded = (model if isinstance(model, LoadedModel)
-                  else _load(model_path, model_config.dtype))
-        return cls(loaded, model_config, cache_config, scheduler_config,
-                   seed=seed, hash_seed=hash_seed)
+            loaded = model
+            model_config = ModelConfig(None, _dtype_of_loaded_model(model, engine_args.dtype))
+        else:
+            model_path = None if model is None else str(model)
+            model_config = ModelConfig(model_path, engine_args.dtype or DEFAULT_DTYPE)
+            loaded = _load(model_path, model_config.dtype)
+        return cls(loaded, model_config, engine_args)
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -192,9 +133,12 @@ class LLMEngine:
         """Queue a request; it runs from the next :meth:`step`.
 
         The engine runs one sample per request (``sampling_params.n`` is the caller's to
-        expand). Raises ValueError, and queues nothing, for: a duplicate id, invalid
-        params, an empty prompt or a token id outside the vocabulary, a prompt plus
-        ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool.
+        expand). Raises :class:`~prefixcache.engine.errors.InvalidRequestError` (a
+        ValueError naming the request and the field at fault), and queues nothing, for: an
+        id in use (``param="request_id"``), invalid params (None: the message names the
+        parameter), an empty prompt or a token id outside the vocabulary, a prompt plus
+        ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool
+        (``"prompt"``). A ``request_id`` that is not a string is a plain ValueError.
 
         An id is in use from ``add_request`` until :meth:`step` has returned its final
         output; for an aborted request that is the step after :meth:`abort_request`. So
@@ -208,36 +152,48 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if request_id in self.request_states:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(request_id, "the request id is already in use",
+                                      "request_id")
         # Aborts are few and delivered by the next step, so this scan stays short.
         if any(output.request_id == request_id for output in self._pending_outputs):
-            raise ValueError(f"request id {request_id!r} is still in use: it was aborted "
-                             "and step() has not yet returned its final output")
+            raise InvalidRequestError(request_id, "the request id is still in use: it was "
+                                      "aborted and step() has not yet returned its final "
+                                      "output", "request_id")
         if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(
+            raise InvalidRequestError(
+                request_id,
                 f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
             )
-        sampling_params.validate()
+        try:
+            sampling_params.validate()
+        except ValueError as error:
+            raise InvalidRequestError(request_id, str(error)) from error
         prompt_token_ids = list(prompt_token_ids)
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise InvalidRequestError(request_id, "the prompt is empty", "prompt")
         vocab_size = self.vocab_size
         for token_id in prompt_token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) \
                     or not 0 <= token_id < vocab_size:
-                raise ValueError(f"request {request_id!r}: prompt token {token_id!r} is not "
-                                 f"a token id of this model (0..{vocab_size - 1})")
+                raise InvalidRequestError(request_id, f"prompt token {token_id!r} is not a "
+                                          f"token id of this model (0..{vocab_size - 1})",
+                                          "prompt")
         if num_prompt_tokens + sampling_params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
+            raise InvalidRequestError(
+                request_id,
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens "
                 f"({sampling_params.max_tokens}) exceeds the model's context length "
-                f"max_model_len={self.max_model_len}"
+                f"max_model_len={self.max_model_len}",
+                "prompt",
             )
         request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
-        # ValueError if the prompt alone can never fit the pool; max_tokens is not
-        # counted (see above).
-        self.scheduler.add_request(request)
+        try:
+            # Refused if the prompt alone can never fit the pool; max_tokens is not
+            # counted (see above). The id cannot clash: it was checked above.
+            self.scheduler.add_request(request)
+        except ValueError as error:
+            raise InvalidRequestError(request_id, str(error), "prompt") from error
         self.request_states[request_id] = RequestState(
             request,
             sampling_params,
@@ -277,6 +233,7 @@ class LLMEngine:
         that got a token or finished in this step (plus pending abort outputs)."""
         outputs = self._pending_outputs
         self._pending_outputs = []
+        self._stats.num_steps += 1
         scheduler_output = self.scheduler.schedule()
         for request in scheduler_output.finished_requests:
             # The scheduler ended it (it outgrew the whole KV pool) and set the status.
@@ -340,26 +297,17 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        """Cumulative counters and current gauges (see :class:`EngineStats`)."""
+        """Cumulative counters and current gauges (see :class:`EngineStats`; the KV
+        event counters are the publisher's, which ``AsyncLLM`` adds)."""
         stats = self._stats
-        cache_stats = self.kv_cache_manager.make_prefix_cache_stats()  # resets on read
-        stats.prefix_cache_queries += cache_stats.queries
-        stats.prefix_cache_hits += cache_stats.hits
-        stats.prefix_cache_preempted_queries += cache_stats.preempted_queries
-        stats.prefix_cache_preempted_hits += cache_stats.preempted_hits
-        return EngineStats(
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            prefix_cache_preempted_queries=stats.prefix_cache_preempted_queries,
-            prefix_cache_preempted_hits=stats.prefix_cache_preempted_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_evictions=self.kv_cache_manager.block_pool.num_evictions,
-            prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage,
-        )
+        # Counts since the last read: the manager resets them.
+        stats.add_prefix_cache_stats(self.kv_cache_manager.make_prefix_cache_stats())
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_evictions = self.kv_cache_manager.block_pool.num_evictions
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_cache_usage = self.kv_cache_manager.usage
+        return copy.copy(stats)
 
     def take_kv_events(self) -> list:
         """Core KV cache events since the last call (empty unless ``enable_kv_events``)."""

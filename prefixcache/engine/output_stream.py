@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
+from prefixcache.engine.errors import EngineDeadError
 from prefixcache.engine.outputs import RequestOutput
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (the engine raised, or AsyncLLM was shut down)."""
+__all__ = ["EngineDeadError", "OutputStream"]
 
 
 class OutputStream:

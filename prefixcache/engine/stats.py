@@ -1,40 +1,107 @@
-"""Engine counters and gauges: :class:`EngineStats`."""
+"""Engine counters and gauges, declared once: :class:`EngineStats`.
+
+Each field declares its Prometheus metric (name without the ``prefixcache:`` prefix,
+kind, help) in its metadata (:func:`stat`). ``LLMEngine.get_stats`` fills the fields,
+``AsyncLLM.get_stats`` adds the event publisher's, and the server's ``/metrics``
+collector iterates :func:`metric_fields`: a new stat is a new field here plus the line
+that produces its value.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+COUNTER = "counter"
+GAUGE = "gauge"
+STAT = "stat"  # the field metadata key
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """A stat's metric: ``kind`` (``counter``: cumulative since the engine started, exposed
+    with a ``_total`` suffix; ``gauge``: a value at the time of the call), ``metric``
+    (the name after the prefix) and ``help``. ``prefix_cache`` names the
+    :class:`~prefixcache.core.PrefixCacheStats` field a counter accumulates, if any."""
+
+    kind: str
+    metric: str | None
+    help: str
+    prefix_cache: str | None = None
+
+
+def stat(kind: str, help: str, *, metric: str | None = None,
+         prefix_cache: str | None = None, default: Any = 0) -> Any:
+    """A field declaring one stat; its metric is named like the field unless ``metric``
+    says otherwise (vLLM's name, where vLLM has the metric)."""
+    return field(default=default,
+                 metadata={STAT: Stat(kind, metric, help, prefix_cache)})
 
 
 @dataclass(slots=True)
 class EngineStats:
-    """A snapshot of the engine.
+    """A snapshot of the engine: counters since it started, gauges at the time of the call.
 
-    Cumulative since the engine started: ``prefix_cache_queries`` (prompt tokens looked up
-    in the prefix cache, once per request, at its admission), ``prefix_cache_hits`` (of
-    those, tokens served from the cache), ``prefix_cache_preempted_queries`` and
-    ``prefix_cache_preempted_hits`` (the same for preempted requests readmitted: tokens to
-    recompute, and of those, tokens still cached),
-    ``num_preemptions``, ``num_evictions`` (cached blocks reused for other content),
-    ``prompt_tokens`` (prompt tokens of requests admitted at least once) and
-    ``generation_tokens`` (tokens sampled).
-
-    Gauges at the time of the call: ``num_running``, ``num_waiting`` (preempted requests
-    included) and ``kv_cache_usage``, the fraction of KV blocks held by requests (0..1).
+    The prefix-cache counters count once per request, at its admission: prompt tokens
+    looked up (``prefix_cache_queries``) and of those, tokens served from the cache
+    (``prefix_cache_hits``); readmitted preempted requests are counted apart
+    (``prefix_cache_preempted_*``: tokens to recompute, and of those, tokens still cached).
+    ``kv_cache_usage`` is the fraction (0..1) of KV blocks held by requests.
     """
 
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_preempted_queries: int = 0
-    prefix_cache_preempted_hits: int = 0
-    num_preemptions: int = 0
-    num_evictions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = stat(
+        COUNTER, "Prompt tokens looked up in the prefix cache.", prefix_cache="queries")
+    prefix_cache_hits: int = stat(
+        COUNTER, "Prompt tokens served from the prefix cache.", prefix_cache="hits")
+    prefix_cache_preempted_queries: int = stat(
+        COUNTER, "Tokens of readmitted preempted requests looked up in the prefix cache.",
+        prefix_cache="preempted_queries")
+    prefix_cache_preempted_hits: int = stat(
+        COUNTER, "Tokens of readmitted preempted requests served from the prefix cache.",
+        prefix_cache="preempted_hits")
+    prompt_tokens: int = stat(COUNTER, "Prompt tokens of admitted requests.")
+    generation_tokens: int = stat(COUNTER, "Generated tokens.")
+    num_preemptions: int = stat(
+        COUNTER, "Requests preempted (blocks freed, to be recomputed).")
+    num_evictions: int = stat(COUNTER, "Cached blocks evicted to make room.")
+    num_steps: int = stat(
+        COUNTER, "Engine steps run; each step is one batch of requests.",
+        metric="engine_steps")
+    kv_events_published: int = stat(COUNTER, "KV event batches sent to subscribers.")
+    kv_events_dropped: int = stat(
+        COUNTER, "KV event batches dropped because the queue was full.")
+    num_running: int = stat(
+        GAUGE, "Requests running in the engine.", metric="num_requests_running")
+    num_waiting: int = stat(
+        GAUGE, "Requests waiting, preempted ones included.", metric="num_requests_waiting")
+    kv_cache_usage: float = stat(
+        GAUGE, "Fraction (0..1) of KV cache blocks held by requests.",
+        metric="kv_cache_usage_perc", default=0.0)
+    num_kv_blocks: int = stat(GAUGE, "KV cache blocks in the pool.")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries \
             if self.prefix_cache_queries else 0.0
+
+    def add_prefix_cache_stats(self, prefix_cache_stats: Any) -> None:
+        """Add a :class:`~prefixcache.core.PrefixCacheStats` (counts since its last read)
+        to the counters that accumulate it."""
+        for stat_field, spec in _STAT_FIELDS:
+            if spec.prefix_cache is not None:
+                name = stat_field.name
+                setattr(self, name,
+                        getattr(self, name) + getattr(prefix_cache_stats, spec.prefix_cache))
+
+
+def metric_fields() -> list[tuple[str, Stat]]:
+    """``(field name, Stat with its metric name resolved)`` for every stat, in
+    declaration order."""
+    return [(stat_field.name, Stat(spec.kind, spec.metric or stat_field.name, spec.help,
+                                   spec.prefix_cache))
+            for stat_field, spec in _STAT_FIELDS]
+
+
+_STAT_FIELDS: list[tuple[Field, Stat]] = [
+    (f, f.metadata[STAT]) for f in fields(EngineStats)
+]

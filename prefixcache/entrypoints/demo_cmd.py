@@ -2,9 +2,9 @@
 
 Ten blocks of four tokens; three requests that share prefixes. Every step prints the
 block tables, which blocks are cached, and the free queue (head = next to evict), so the
-output can be checked line by line against the "Example" section of the design document,
-"Automatic Prefix Caching" (vLLM's design page; from the repository root,
-../shared/reference/automatic-prefix-caching.md).
+output can be checked line by line against the worked example in docs/design.md, the
+design this prefix cache implements (vLLM's "Automatic Prefix Caching"): hash chain,
+block pool, free queue order, extra keys.
 """
 
 from __future__ import annotations

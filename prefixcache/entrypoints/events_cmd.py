@@ -13,7 +13,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from prefixcache.entrypoints.arg_types import non_negative_int, positive_float, positive_int
+from prefixcache.arg_types import non_negative_int, positive_float, positive_int
 
 MAX_SEQ = 2**63 - 1  # sequence numbers travel as signed 64-bit integers
 MAX_TCP_PORT = 65535

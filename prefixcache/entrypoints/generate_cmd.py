@@ -15,12 +15,10 @@ import argparse
 import copy
 import sys
 
-from prefixcache.config import DTYPES
-from prefixcache.entrypoints.arg_types import int_in_range, non_negative_float, utf8_text
+from prefixcache.arg_types import int_in_range, non_negative_float, utf8_text
+from prefixcache.engine.arg_utils import MAX_SEED, MIN_SEED, EngineArgs
 
 EXIT_USAGE = 2
-# The seeds torch's generators take, and the server's bounds for the same field.
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 REQUEST_ID_PREFIX = "generate-"
 
 _DESCRIPTION = """\
@@ -38,13 +36,11 @@ examples:
       "What is the capital of France?" "What is the capital of Japan?"
   prefixcache generate --chat "Write a haiku about caches." --temperature 0.7 --seed 1
   prefixcache generate --model ./my-llama-folder --max-tokens 64 "Once upon a time"
+  prefixcache generate --no-enable-prefix-caching "Hello" "Hello again"
 """
 
-
-def _model_path(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("empty path (leave --model out for the default model)")
-    return text
+# Prompts run one after another: a KV pool for one full-context sequence is enough.
+ENGINE_DEFAULTS = {"max_num_seqs": 1}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,26 +56,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="wrap the prompt as a user message in the model's chat template")
     parser.add_argument("--system", default=None, type=utf8_text,
                         help="with --chat (required): a system message to put first")
-    parser.add_argument("--model", default=None, metavar="PATH", type=_model_path,
-                        help="a .gguf file or a Hugging Face model folder "
-                             "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=128, metavar="N",
                         help="generate at most N tokens (default: 128)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="0 for greedy decoding (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens (default: 0)")
-    parser.add_argument("--seed", type=int_in_range(MIN_SEED, MAX_SEED), default=None,
+    # Each prompt's own seed (dest sampling_seed): the engine's --seed is left out.
+    parser.add_argument("--seed", dest="sampling_seed", default=None,
+                        type=int_in_range(MIN_SEED, MAX_SEED),
                         help="seed for reproducible sampling (a signed 64-bit integer)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         type=utf8_text,
                         help="stop when TEXT is generated (repeatable); not printed")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="weights and KV cache dtype (default: float32)")
     parser.add_argument("--no-stream", action="store_true",
                         help="print the text once finished instead of as it is generated")
+    EngineArgs.add_cli_args(parser, exclude=("seed",), defaults=ENGINE_DEFAULTS)
     parser.set_defaults(func=run)
 
 
@@ -90,10 +84,8 @@ def _error(message: str) -> int:
 
 def _about_prompt(position: int, num_prompts: int, message: str) -> str:
     """``message`` about the prompt at 1-based ``position``, saying which one when there
-    are several; an engine message naming our internal request id is reworded."""
-    prefix = f"request '{REQUEST_ID_PREFIX}{position}': "
-    if message.startswith(prefix):
-        message = message[len(prefix):]
+    are several. Engine refusals come as ``InvalidRequestError``, whose ``message`` does
+    not name the internal request id."""
     return message if num_prompts == 1 else f"prompt {position}: {message}"
 
 
@@ -120,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed,
         max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     problem = _check_without_model(args, params)
@@ -130,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine.from_options(args.model, dtype=args.dtype, max_num_seqs=1)
+        engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     except (ValueError, FileNotFoundError, OSError) as error:
         return _error(str(error))
     num_prompts = len(args.prompts)
@@ -171,10 +164,12 @@ def _generate_one(engine, args: argparse.Namespace, params, position: int, num_p
     exit code."""
     params = copy.copy(params)
     params.max_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
+    from prefixcache.engine.errors import InvalidRequestError
+
     try:
         engine.add_request(f"{REQUEST_ID_PREFIX}{position}", prompt_token_ids, params)
-    except ValueError as error:
-        return _error(_about_prompt(position, num_prompts, str(error)))
+    except InvalidRequestError as error:
+        return _error(_about_prompt(position, num_prompts, error.message))
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -3,20 +3,14 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from prefixcache.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_EVICTION_POLICY,
-    DEFAULT_HASH_ALGO,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-)
+from prefixcache.engine.arg_utils import EngineArgs
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -34,38 +28,15 @@ class LLM:
     """Generate text for batches of prompts with automatic prefix caching.
 
     ``model`` is None (the default SmolLM2-135M-Instruct), a ``.gguf`` file, a Hugging Face
-    model folder or a :class:`LoadedModel`. The options are those of
-    :meth:`LLMEngine.from_options`, which documents them and their defaults; the rest of
-    its keywords (``enable_chunked_prefill``, ``hash_seed``, ``enable_kv_events``) pass
-    through ``engine_options``. Raises ValueError for a bad option or a model that cannot
-    be loaded, FileNotFoundError for a missing one.
-
-    ``eviction_policy`` picks which free cached block is evicted first when the KV pool is
-    full (a name in :data:`~prefixcache.core.EVICTION_POLICIES`; default ``lru``).
+    model folder or a :class:`LoadedModel`. The keyword options are the fields of
+    :class:`~prefixcache.engine.arg_utils.EngineArgs`, which documents them and their
+    defaults (``inspect.signature(LLM)`` lists them too). Raises ValueError for a bad
+    option or a model that cannot be loaded, FileNotFoundError for a missing one,
+    TypeError for an unknown option.
     """
 
-    def __init__(
-        self,
-        model: str | Path | LoadedModel | None = None,
-        *,
-        enable_prefix_caching: bool = True,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-        dtype: str | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        hash_algo: str = DEFAULT_HASH_ALGO,
-        eviction_policy: str = DEFAULT_EVICTION_POLICY,
-        seed: int | None = None,
-        **engine_options: Any,
-    ) -> None:
-        self.engine = LLMEngine.from_options(
-            model, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, hash_algo=hash_algo,
-            eviction_policy=eviction_policy, seed=seed, **engine_options)
+    def __init__(self, model: str | LoadedModel | None = None, **options: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model, **options))
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
 
@@ -166,8 +137,12 @@ class LLM:
                 requests.append((index, request_id, text, token_ids, sample_params))
         added: list[str] = []
         try:
-            for _, request_id, text, token_ids, params in requests:
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+            for index, request_id, text, token_ids, params in requests:
+                try:
+                    self.engine.add_request(request_id, token_ids, params, prompt=text)
+                except InvalidRequestError as error:
+                    # Said in the caller's terms: the request id is internal.
+                    raise ValueError(f"prompt {index}: {error.message}") from error
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)
@@ -205,6 +180,13 @@ class LLM:
             result.outputs = samples
             results.append(result)
         return results
+
+
+# The options as keyword parameters, for help() and editors: EngineArgs' own signature.
+LLM.__init__.__signature__ = inspect.Signature([
+    inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    *inspect.signature(EngineArgs).parameters.values(),
+])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from prefixcache.entrypoints.arg_types import positive_float, positive_int
+from prefixcache.arg_types import positive_float, positive_int
 
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from prefixcache.entrypoints.arg_types import non_negative_int, positive_int
+from prefixcache.arg_types import non_negative_int, positive_int
 
 DESCRIPTION = """\
 Write a synthetic request trace in one of the shapes serving traffic takes, to replay

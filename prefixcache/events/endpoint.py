@@ -14,7 +14,7 @@ vLLM's data-parallel port offset, derives that address from the rank:
 
 Routers tell the replicas apart by the ``data_parallel_rank`` stamped into every batch,
 not by the address, which is why the rank is applied to both in the same place
-(``AsyncLLM.from_options``).
+(``AsyncLLM.from_engine_args``).
 
 Importing this module loads nothing beyond the stdlib.
 """

@@ -42,7 +42,7 @@ from bisect import bisect_right
 
 from prefixcache.core import BlockHash, KVCacheBlock
 from prefixcache.core.block_pool import BlockHashToBlockMap
-from prefixcache.core.scored_free_queue import ScoredFreeBlockQueue
+from prefixcache.core.eviction.scored import ScoredFreeBlockQueue
 
 NEVER = 1 << 60  # next use of a hash that is never usefully accessed again
 EMPTY = 1 << 61  # priority of a block holding no cached content: always reused first

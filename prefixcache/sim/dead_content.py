@@ -25,7 +25,7 @@ reported as the best online policy.
 from __future__ import annotations
 
 from prefixcache.core import KVCacheBlock
-from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
+from prefixcache.core.eviction.segmented import TwoSegmentFreeBlockQueue
 from prefixcache.sim.belady import NEVER, FutureUses
 
 DEAD_CONTENT_KINDS = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.core import BlockHash
+from prefixcache.core import BlockHash, cdiv
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.trace import Trace, TraceRequest
 
@@ -59,7 +59,7 @@ def prepare_trace(trace: Trace, expander: TraceExpander,
         block_hashes.append(expander.block_hashes(request))
         max_hit_blocks.append((request.input_length - 1) // block_size)
         num_slots = request.input_length + (request.output_length if reserve_decode_slots else 0)
-        blocks_needed.append(-(-num_slots // block_size))
+        blocks_needed.append(cdiv(num_slots, block_size))
         if progress is not None and done % 256 == 0:
             progress(256)
     if progress is not None and len(requests) % 256:

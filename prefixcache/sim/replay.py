@@ -36,18 +36,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from prefixcache.core import EVICTION_POLICIES, FreeKVCacheBlockQueue, KVCacheManager, Request
+from prefixcache.core import (
+    EVICTION_POLICIES,
+    FreeKVCacheBlockQueue,
+    FreeQueueFactory,
+    KVCacheManager,
+    Request,
+)
 from prefixcache.core.block_pool import BlockHashToBlockMap
-from prefixcache.core.document_liveness import DocumentLivenessFreeBlockQueue
-from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.dead_content import DEAD_CONTENT_KINDS, DeadContentFirstFreeBlockQueue
 from prefixcache.sim.prepared import PreparedTrace
 
 BELADY = "belady"
 # Offline references and diagnostics: free queues built from the pool's blocks, the trace's
-# future and the pool's hash map, each with a ``now`` attribute the replay keeps at the
-# latest admission index.
+# future and the pool's hash map (through the pool's free-queue factory), each with a
+# ``now`` attribute the replay keeps at the latest admission index.
 OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses, BlockHashToBlockMap],
                                      FreeKVCacheBlockQueue]] = {
     BELADY: BeladyFreeBlockQueue,
@@ -147,9 +151,9 @@ class ReplayResult:
     replay_seconds: float
     requests_per_s: float
     blocks_per_s: float
-    # What a learning policy learned by the end (learned-reuse: its per-signature table,
-    # see LearnedReuseFreeBlockQueue.reuse_estimates, and the overall reuse rate;
-    # document-liveness: its classes, see DocumentLivenessModel.class_estimates).
+    # What a learning policy learned by the end (its free queue's ``policy_state()``:
+    # learned-reuse's per-signature table and overall reuse rate, document-liveness's
+    # classes), or None.
     policy_state: dict | None = None
 
     def to_dict(self) -> dict:
@@ -165,31 +169,34 @@ class _Replay:
         self.config = config
         self.progress = progress
         expander = prepared.expander
-        self.num_pool_blocks = num_blocks_to_simulate(prepared, config.num_blocks)
-        self.manager = KVCacheManager(
-            self.num_pool_blocks, expander.block_size, hash_algo=expander.hash_algo,
-            hash_seed=expander.hash_seed,
-            eviction_policy="lru" if config.policy in OFFLINE_POLICIES else config.policy,
-        )
         blocks_needed = prepared.blocks_needed
         order = arrival_order(prepared) if config.timeline else range(len(prepared.requests))
         self.admissible = [i for i in order if blocks_needed[i] <= config.num_blocks]
-        self.offline_queue = None
-        if config.policy in OFFLINE_POLICIES:
-            future = FutureUses([prepared.block_hashes[i] for i in self.admissible],
-                                [prepared.max_hit_blocks[i] for i in self.admissible])
-            pool = self.manager.block_pool
-            # The free queue is the policy seam of the pool: swap in the offline one
-            # before any block is used.
-            self.offline_queue = OFFLINE_POLICIES[config.policy](
-                pool.blocks, future, pool.cached_block_hash_to_block)
-            pool.free_block_queue = self.offline_queue
+        self.num_pool_blocks = num_blocks_to_simulate(prepared, config.num_blocks)
+        self.manager = KVCacheManager(
+            self.num_pool_blocks, expander.block_size, hash_algo=expander.hash_algo,
+            hash_seed=expander.hash_seed, eviction_policy=config.policy,
+            free_queue_factory=self._offline_queue_factory(),
+        )
+        self.offline_queue = (self.manager.block_pool.free_block_queue
+                              if config.policy in OFFLINE_POLICIES else None)
         self.num_admitted = 0
         self.num_hit_tokens = 0
         self.num_blocks_allocated = 0
         self.num_delayed = 0
         self.peak_usage = 0.0
         self._since_progress = 0
+
+    def _offline_queue_factory(self) -> FreeQueueFactory | None:
+        """The factory of the offline policy being replayed, which knows the admitted
+        requests' future; None for an online policy (the pool builds it by name)."""
+        build = OFFLINE_POLICIES.get(self.config.policy)
+        if build is None:
+            return None
+        prepared = self.prepared
+        future = FutureUses([prepared.block_hashes[i] for i in self.admissible],
+                            [prepared.max_hit_blocks[i] for i in self.admissible])
+        return lambda blocks, cached: build(blocks, future, cached)
 
     def _usage(self) -> float:
         """Fraction of the requested capacity held by live requests (the pool may be
@@ -270,25 +277,8 @@ class _Replay:
             replay_seconds=elapsed,
             requests_per_s=self.num_admitted / elapsed if elapsed > 0 else 0.0,
             blocks_per_s=blocks_in_tables / elapsed if elapsed > 0 else 0.0,
-            policy_state=self._policy_state(),
+            policy_state=self.manager.block_pool.free_block_queue.policy_state(),
         )
-
-    def _policy_state(self) -> dict | None:
-        queue = self.manager.block_pool.free_block_queue
-        if isinstance(queue, LearnedReuseFreeBlockQueue):
-            return {
-                "overall_reuse_rate": queue.overall_reuse_rate(),
-                "signatures": [{"signature": signature, **row}
-                               for signature, row in queue.reuse_estimates().items()],
-            }
-        if isinstance(queue, DocumentLivenessFreeBlockQueue):
-            model = queue.model
-            return {
-                "overall_continuation_probability": model.overall_p,
-                "requests_between_a_documents_requests": 1.0 / model.rate,
-                "classes": model.class_estimates(),
-            }
-        return None
 
     def _run_sequential(self) -> float:
         manager = self.manager

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from prefixcache.core import cdiv
+
 MOONCAKE_BLOCK_SIZE = 512
 STDIN_PATH = "-"
 STDIN_NAME = "<stdin>"
@@ -112,7 +114,7 @@ def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
         raise ValueError("'hash_ids' must be a list of non-negative integers")
-    expected = -(-input_length // MOONCAKE_BLOCK_SIZE)
+    expected = cdiv(input_length, MOONCAKE_BLOCK_SIZE)
     if len(hash_ids) != expected:
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "

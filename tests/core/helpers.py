@@ -9,15 +9,10 @@ attributes), so the tests read like the stories of the design document.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from prefixcache.core import KVCacheManager, Request
 from prefixcache.core.request import RequestStatus
 from prefixcache.core.scheduler import Scheduler
-
-# The repo root's parent holds the shared design material (tests/core/x.py -> parents[3]).
-SHARED_DIR = Path(__file__).resolve().parents[3] / "shared"
-VECTORS_PATH = SHARED_DIR / "compat" / "vllm-block-hash-vectors.json"
 
 
 def make_manager(num_blocks: int = 10, block_size: int = 4, **kwargs) -> KVCacheManager:

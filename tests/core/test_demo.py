@@ -7,6 +7,7 @@ import pytest
 
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
+from tests.data_paths import REPO_ROOT
 
 
 def run_demo(capsys, *argv: str) -> list[str]:
@@ -50,4 +51,5 @@ def test_help_names_the_design_document(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert '"Automatic Prefix Caching"' in text
-    assert "../shared/reference/automatic-prefix-caching.md" in text
+    assert "docs/design.md" in text
+    assert (REPO_ROOT / "docs" / "design.md").is_file()

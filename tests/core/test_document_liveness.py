@@ -8,15 +8,15 @@ import random
 import pytest
 
 from prefixcache.core import KVCacheBlock, Request
-from prefixcache.core.document_liveness import (
+from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
+from prefixcache.core.eviction.document_liveness_model import (
     KEPT_TAIL_HASHES,
-    DocumentLivenessFreeBlockQueue,
+    DocumentHistory,
     DocumentLivenessModel,
-    _Document,
     logit,
 )
+from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue
 from prefixcache.core.request import RequestStatus
-from prefixcache.core.scored_free_queue import GroupedScoredFreeBlockQueue
 from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
 
 BLOCK_SIZE = 4
@@ -57,7 +57,7 @@ def simulate_documents(model: DocumentLivenessModel, rng: random.Random,
     after every request; every step, one unfinished document, chosen uniformly, has its
     next request. Returns, per kind, the state ids of first requests."""
     kinds = [kind for kind in continuation for _ in range(num_documents // 2)]
-    documents = [_Document(prompt_tokens=1000, output_tokens=kind) for kind in kinds]
+    documents = [DocumentHistory(prompt_tokens=1000, output_tokens=kind) for kind in kinds]
     unfinished = list(range(len(documents)))
     first_states: dict[int, list[int]] = {kind: [] for kind in continuation}
     while unfinished:

@@ -23,13 +23,14 @@ from prefixcache.core import (
     get_hash_fn,
     resolve_hash_seed,
 )
-from tests.core.helpers import SHARED_DIR, VECTORS_PATH, schedule_decode, schedule_prefill, seq
+from tests.core.helpers import schedule_decode, schedule_prefill, seq
+from tests.data_paths import VLLM_HASH_VECTORS_PATH
 
 ALL_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
 def _load_vectors() -> list[dict]:
-    return json.loads(VECTORS_PATH.read_text())["vectors"]
+    return json.loads(VLLM_HASH_VECTORS_PATH.read_text())["vectors"]
 
 
 VECTORS = _load_vectors()
@@ -68,12 +69,9 @@ def no_env_seed(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
 
 
-# -- the shared vectors ------------------------------------------------------------------
+# -- vLLM's vectors (data/compat/) --------------------------------------------------------
 
-def test_shared_dir_is_the_repo_roots_sibling():
-    assert SHARED_DIR.name == "shared"
-    assert (SHARED_DIR / "reference" / "automatic-prefix-caching.md").is_file()
-    assert VECTORS_PATH.is_file()
+def test_vectors_cover_both_algorithms_and_every_case():
     algos = {v["algo"] for v in VECTORS}
     seeds = {v["seed"] for v in VECTORS}
     assert algos == {"sha256_cbor", "xxhash_cbor"}

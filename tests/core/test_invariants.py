@@ -22,13 +22,14 @@ from prefixcache.core import (
     BlockStored,
     KVCacheManager,
     Request,
+    cdiv,
 )
-from prefixcache.core.eviction import TwoSegmentFreeBlockQueue
-from prefixcache.core.request import RequestStatus
-from prefixcache.core.scored_free_queue import (
+from prefixcache.core.eviction.scored import (
     GroupedScoredFreeBlockQueue,
     ScoredFreeBlockQueue,
 )
+from prefixcache.core.eviction.segmented import TwoSegmentFreeBlockQueue
+from prefixcache.core.request import RequestStatus
 from tests.core.helpers import snapshot
 
 BLOCK_SIZE = 4
@@ -93,7 +94,7 @@ class ManagerMachine(RuleBasedStateMachine):
         free_before = self.mgr.num_free_blocks
         free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         have = len(self.mgr.get_block_ids(req.request_id)) + len(hit_blocks)
-        needed = -(-(req.num_computed_tokens + num_hit + num_tokens) // BLOCK_SIZE) - have
+        needed = cdiv(req.num_computed_tokens + num_hit + num_tokens, BLOCK_SIZE) - have
         new = self.mgr.allocate_slots(req, num_tokens, num_new_computed_tokens=num_hit,
                                       new_computed_blocks=hit_blocks)
         fits = needed <= free_before - free_hits
@@ -237,7 +238,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for rid, req in self.running.items():
             table = self.mgr.get_block_ids(rid)
             assert len(table) == len(set(table)), f"block twice in {rid}'s table"
-            assert len(table) == -(-req.num_computed_tokens // BLOCK_SIZE)
+            assert len(table) == cdiv(req.num_computed_tokens, BLOCK_SIZE)
             for block_id in table:
                 holders[block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == holders

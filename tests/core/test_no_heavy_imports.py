@@ -30,6 +30,20 @@ SCRIPT = textwrap.dedent(
         mgr.free(r)
         mgr.take_events()
         mgr.make_prefix_cache_stats()
+    # Every eviction policy, long enough for document-liveness to refit its model.
+    from prefixcache.core import EVICTION_POLICIES
+    for policy in EVICTION_POLICIES:
+        mgr = KVCacheManager(num_blocks=16, block_size=4, eviction_policy=policy)
+        for i in range(60):
+            r = Request(f"{policy}{i}", [i % 5] * 8 + [i])
+            blocks, hits = mgr.get_computed_blocks(r)
+            assert mgr.allocate_slots(r, 9 - hits, hits, blocks) is not None
+            r.append_output_token_ids([1] * (i % 7))
+            mgr.free(r)
+        queue = mgr.block_pool.free_block_queue
+        if policy == "document-liveness":
+            assert queue.model.num_fits > 0, "the fit never ran"
+        assert mgr.reset_prefix_cache()
     heavy = sorted(m for m in ("torch", "numpy") if m in sys.modules)
     print("HEAVY:" + ",".join(heavy))
     """

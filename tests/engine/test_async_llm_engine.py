@@ -77,15 +77,16 @@ def test_an_aborted_id_reused_at_once_gets_a_fresh_request(async_llm, engine, pr
         await first.aclose()
         second = await async_llm.add_requests([NewRequest("a", prompt, params)])
         async with second:
-            outputs = [o async for o in second]
-        while engine.has_unfinished_requests() or async_llm._request_id_to_tracked:
-            await asyncio.sleep(0.01)
-        return outputs
+            return [o async for o in second]
 
     outputs = run(main())
     assert [o.finish_reason for o in outputs] == [None] * 5 + ["length"]
     assert "".join(o.new_text for o in outputs) == outputs[-1].text
-    async_llm.shutdown()
+    async_llm.shutdown()  # joins the engine loop: nothing of it still runs
+    # The aborted request was reported before the re-add was let in, and the re-added one
+    # has finished: the loop tracks nothing, the engine holds nothing.
+    assert not async_llm._request_id_to_tracked
+    assert not engine.has_unfinished_requests()
     engine.add_request("fresh", prompt, params)
     assert outputs[-1].token_ids == run_to_completion(engine)["fresh"].token_ids
     assert_all_blocks_free(engine)

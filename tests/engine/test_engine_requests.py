@@ -7,6 +7,7 @@ import random
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_all_blocks_free, random_tokens, run_to_completion
 
@@ -122,7 +123,8 @@ def test_an_aborted_id_is_refused_until_its_final_output_is_delivered(engine, pr
     engine.abort_request("r")
     # Accepting it now would put the old request's end and the new one's first token
     # under one id in the same step.
-    with pytest.raises(ValueError, match="'r' is still in use: it was aborted"):
+    with pytest.raises(InvalidRequestError,
+                       match="^request 'r': the request id is still in use: it was aborted"):
         engine.add_request("r", prompt, params)
     (aborted,) = engine.step()
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
@@ -166,15 +168,16 @@ def test_the_eviction_policy_orders_a_finished_requests_blocks(
     assert [block.block_id for block in free_blocks if block.block_hash is not None] == [1, 0]
 
 
-@pytest.mark.parametrize("case,match", [
-    ("empty", "empty"),
-    ("too_long", "max_model_len"),
-    ("out_of_vocab", "not a token id"),
-    ("duplicate", "already in use"),
-    ("bad_params", "top_p"),
-    ("never_fits", "pool"),
+@pytest.mark.parametrize("case,match,param", [
+    ("empty", "empty", "prompt"),
+    ("too_long", "max_model_len", "prompt"),
+    ("out_of_vocab", "not a token id", "prompt"),
+    ("duplicate", "already in use", "request_id"),
+    ("bad_params", "top_p", None),
+    ("never_fits", "pool", "prompt"),
 ])
-def test_invalid_requests_are_clear_errors_and_queue_nothing(make_engine, prompt, case, match):
+def test_invalid_requests_are_typed_errors_and_queue_nothing(make_engine, prompt, case, match,
+                                                             param):
     engine = make_engine(block_size=4, num_kv_blocks=8)  # 32 token slots
     engine.add_request("dup", prompt, SamplingParams(max_tokens=2))
     request = {"request_id": "x", "prompt_token_ids": prompt,
@@ -191,8 +194,12 @@ def test_invalid_requests_are_clear_errors_and_queue_nothing(make_engine, prompt
         request["sampling_params"] = SamplingParams(top_p=2.0)
     elif case == "never_fits":
         request["prompt_token_ids"] = prompt * 4  # 40 tokens > 32 slots
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as excinfo:
         engine.add_request(**request)
+    error = excinfo.value
+    assert (error.request_id, error.param) == (request["request_id"], param)
+    assert str(error) == f"request {error.request_id!r}: {error.message}"
+    assert "request '" not in error.message  # the id is a field, not in the message
     assert engine.num_unfinished_requests == 1
     assert set(run_to_completion(engine)) == {"dup"}
     assert_all_blocks_free(engine)

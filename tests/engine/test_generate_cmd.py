@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.cli import main
 from prefixcache.entrypoints.generate_cmd import _about_prompt
@@ -22,7 +23,7 @@ INVALID_UTF8 = b"\xff\xfe bad utf8".decode("utf-8", "surrogateescape")
 def no_model_load(monkeypatch):
     def load(*args, **kwargs):
         pytest.fail("the model was loaded before the options were checked")
-    monkeypatch.setattr(LLMEngine, "from_options", load)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", load)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -72,10 +73,11 @@ def test_errors_about_a_prompt_name_its_position(tiny_model_dir, capsys):
     err = capsys.readouterr().err
     assert err.startswith("prefixcache generate: error: prompt 2: the prompt (")
     assert "generate-" not in err
-    # The engine's own messages name an internal request id; it is reworded the same way.
-    engine_message = "request 'generate-2': prompt token 999 is not a token id"
-    assert _about_prompt(2, 3, engine_message) == "prompt 2: prompt token 999 is not a token id"
-    assert _about_prompt(1, 1, "request 'generate-1': x") == "x"
+    # The engine's refusals carry the request id as a field; the message is worded the
+    # same way.
+    refusal = InvalidRequestError("generate-2", "prompt token 999 is not a token id", "prompt")
+    assert _about_prompt(2, 3, refusal.message) == "prompt 2: prompt token 999 is not a token id"
+    assert _about_prompt(1, 1, "x") == "x"
 
 
 @pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])

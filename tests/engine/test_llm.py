@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from prefixcache import LLM, RequestOutput, SamplingParams
-from prefixcache.config import CacheConfig
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.engine.arg_utils import EngineArgs
 from prefixcache.entrypoints.cli import main
 from prefixcache.model.loader import load_model
 
@@ -71,12 +71,17 @@ def test_per_prompt_params_and_errors(llm):
         llm.generate(["a", "b"], SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         llm.generate(["a", []], GREEDY)
+    # The engine's refusal names the prompt, not the internal request id.
+    vocab_size = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=rf"^prompt 1: prompt token {vocab_size} is not a "):
+        llm.generate(["a", [1, vocab_size]], GREEDY)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_constructor_takes_the_engine_options_by_name(tiny_model):
     parameters = inspect.signature(LLM).parameters
+    assert list(parameters) == list(inspect.signature(EngineArgs).parameters)
     for name in ("model", "enable_prefix_caching", "block_size", "num_kv_blocks",
                  "kv_cache_memory_bytes", "dtype", "max_num_seqs", "max_num_batched_tokens",
                  "hash_algo", "eviction_policy", "seed"):
@@ -89,6 +94,8 @@ def test_constructor_takes_the_engine_options_by_name(tiny_model):
     assert engine.scheduler_config.max_num_seqs == 2
     assert not engine.cache_config.enable_prefix_caching
     assert engine.kv_cache_manager.block_pool.eviction_policy == "2q"
+    assert engine.engine_args.max_num_batched_tokens == 64
+    assert not engine.scheduler_config.enable_chunked_prefill
     default_engine = LLM(tiny_model, num_kv_blocks=8).engine
     assert default_engine.kv_cache_manager.block_pool.eviction_policy == "lru"
 
@@ -109,10 +116,15 @@ def test_bad_options_are_value_errors_naming_the_option(tiny_model, options, mat
         LLM(tiny_model, **options)
 
 
+def test_an_unknown_option_is_a_type_error_naming_it(tiny_model):
+    with pytest.raises(TypeError, match="gpu_memory_utilization"):
+        LLM(tiny_model, gpu_memory_utilization=0.9)
+
+
 @pytest.mark.parametrize("policy", ["mru", "LRU", "", None, ["lru"]])
-def test_cache_config_rejects_an_unknown_eviction_policy_naming_the_choices(policy):
+def test_engine_args_reject_an_unknown_eviction_policy_naming_the_choices(policy):
     with pytest.raises(ValueError) as excinfo:
-        CacheConfig(eviction_policy=policy)
+        EngineArgs(eviction_policy=policy)
     message = str(excinfo.value)
     assert message.startswith("eviction_policy must be one of ")
     assert message.endswith(f", got {policy!r}")

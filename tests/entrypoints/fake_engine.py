@@ -4,9 +4,11 @@ Each request emits one token per step: ``prompt[-1] + 1, + 2, ...`` until ``max_
 As in LLMEngine, an aborted request's final output (``"abort"``, with its text and tokens
 so far) comes first in the next step, and its id is refused until then.
 A running request holds one "block"; ``reset_prefix_cache`` fails while any is held. Every
-step appends one core-shaped event so publishing can be checked. ``step_gate`` (a
-threading.Event), when set by a test, pauses ``step`` until it is set, so a test can hold
-requests running while it acts.
+step appends one core-shaped event so publishing can be checked.
+
+``hold_steps()`` makes every step wait until the returned gate is set, so a test can hold
+requests running while it acts; ``in_step`` is set while a step waits at the gate, so the
+test knows the engine loop is inside that step (and its commands queue up meanwhile).
 
 A step takes ``STEP_S`` (1 ms), as a real one takes a few: without it the engine-loop thread
 spins on a long request, each output copying every token so far (quadratic), and starves
@@ -33,6 +35,7 @@ class FakeEngine:
         self.num_resets = 0
         self.events: list[str] = []
         self.step_gate: threading.Event | None = None
+        self.in_step = threading.Event()
         self.fail_next_step = False
         self.generation_tokens = 0
 
@@ -64,9 +67,18 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.pending_outputs)
 
+    def hold_steps(self) -> threading.Event:
+        """Hold the next step (and every later one) until the returned gate is set."""
+        self.in_step.clear()
+        self.step_gate = threading.Event()
+        return self.step_gate
+
     def step(self) -> list[RequestOutput]:
-        if self.step_gate is not None:
-            self.step_gate.wait(10)
+        gate = self.step_gate
+        if gate is not None and not gate.is_set():
+            self.in_step.set()
+            gate.wait(10)
+            self.in_step.clear()
         time.sleep(STEP_S)
         if self.fail_next_step:
             raise RuntimeError("boom")

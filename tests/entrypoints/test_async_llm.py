@@ -4,7 +4,6 @@ resets, failures and event publishing."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -48,20 +47,13 @@ def test_generate_yields_each_token_then_finishes(llm):
 
 def test_concurrent_requests_share_engine_steps(llm):
     async def main():
-        return await asyncio.gather(*(collect(llm, f"r{i}", [i * 100], 4) for i in range(8)))
+        # Hold the steps until every request is queued, so they must be batched.
+        gate = llm.engine.hold_steps()
+        tasks = [await start(collect(llm, f"r{i}", [i * 100], 4)) for i in range(8)]
+        gate.set()
+        return await asyncio.gather(*tasks)
 
-    # Hold the first step until every request is queued, so they must be batched.
-    llm.engine.step_gate = threading.Event()
-
-    async def release_later():
-        await asyncio.sleep(0.2)
-        llm.engine.step_gate.set()
-
-    async def both():
-        results, _ = await asyncio.gather(main(), release_later())
-        return results
-
-    results = run(both())
+    results = run(main())
     for i, outputs in enumerate(results):
         assert outputs[-1].token_ids == [i * 100 + k for k in range(1, 5)]
     assert max(len(batch) for batch in llm.engine.step_batches) == 8
@@ -96,11 +88,36 @@ def test_leaving_a_stream_early_aborts_it(llm):
 
 
 async def wait_until(predicate, timeout_s: float = TIMEOUT_S) -> None:
+    """Poll ``predicate`` (a counter or state of the engine loop) until it holds."""
     async def poll() -> None:
         while not predicate():
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), timeout_s)
+
+
+async def start(coro) -> asyncio.Future:
+    """Run ``coro`` as a task up to its first wait for the engine loop: one turn of the
+    event loop does it, as nothing before that wait suspends. Its command is then queued
+    (taken at once by an idle loop, or when a held step ends)."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+async def until_held(llm: AsyncLLM) -> None:
+    """Return once the engine loop is inside a held step (``FakeEngine.hold_steps``): what
+    is queued from now on is taken together, when the step ends."""
+    assert await asyncio.to_thread(llm.engine.in_step.wait, TIMEOUT_S), "no step was held"
+
+
+async def round_trip(llm: AsyncLLM) -> None:
+    """Return once the engine loop finished the iteration it is in (delivery and the
+    admission of held-back adds included): a reset is answered in the command phase of a
+    later iteration. The reset is refused while requests run, so it changes nothing
+    there."""
+    await llm.reset_prefix_cache()
 
 
 def test_cancelling_the_consumer_aborts(llm):
@@ -156,13 +173,14 @@ def test_reset_abort_running_ends_streams_with_abort(llm):
 
 def test_reset_wait_holds_new_requests_until_running_ones_finish(llm):
     async def main():
-        llm.engine.step_gate = threading.Event()
+        gate = llm.engine.hold_steps()
         first = await llm.add_requests([NewRequest("first", [1], params(3))])
-        reset = asyncio.create_task(llm.reset_prefix_cache(wait=True))
-        await asyncio.sleep(0.05)
-        later = asyncio.create_task(collect(llm, "later", [50], 2))
-        await asyncio.sleep(0.05)
-        llm.engine.step_gate.set()
+        await until_held(llm)
+        # Queued in this order while the step is held: the reset waits for "first", and
+        # "later" is held back behind it.
+        reset = await start(llm.reset_prefix_cache(wait=True))
+        later = await start(collect(llm, "later", [50], 2))
+        gate.set()
         async with first:
             first_outputs = [o async for o in first]
         return await reset, first_outputs, await later
@@ -198,31 +216,22 @@ def test_an_aborted_stream_ends_with_everything_generated_so_far(llm):
 async def add_and_give_up(llm: AsyncLLM, request: NewRequest) -> None:
     """Call ``add_requests`` and cancel it while the (blocked) engine loop has not yet
     answered, as a client that disconnects at once."""
-    pending = asyncio.ensure_future(llm.add_requests([request]))
-    await asyncio.sleep(0.05)
+    pending = await start(llm.add_requests([request]))
     pending.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending
-
-
-def block_next_step(llm: AsyncLLM) -> threading.Event:
-    """Hold the engine loop in its next step until the returned event is set, so the
-    commands queued meanwhile are taken together."""
-    llm.engine.step_gate = threading.Event()
-    return llm.engine.step_gate
 
 
 def test_an_aborted_id_can_be_reused_at_once(llm):
     async def main():
         first = await llm.add_requests([NewRequest("a", [1], params(100_000))])
         await wait_until(lambda: llm.num_steps > 0)
-        gate = block_next_step(llm)
-        await asyncio.sleep(0.05)  # the loop is now inside the held step
+        gate = llm.engine.hold_steps()
+        await until_held(llm)
         await first.aclose()
         # The abort and the re-add reach the loop together, before the engine reported
         # the aborted request's end.
-        second = asyncio.ensure_future(collect(llm, "a", [50], 3))
-        await asyncio.sleep(0.05)
+        second = await start(collect(llm, "a", [50], 3))
         gate.set()
         outputs = await second
         await wait_until(lambda: not llm.engine.has_unfinished_requests())
@@ -239,8 +248,8 @@ def test_a_cancelled_add_does_not_abort_another_streams_request(llm):
     async def main():
         owner = await llm.add_requests([NewRequest("a", [1], params(100_000))])
         await wait_until(lambda: llm.num_steps > 0)
-        gate = block_next_step(llm)
-        await asyncio.sleep(0.05)
+        gate = llm.engine.hold_steps()
+        await until_held(llm)
         # Another caller reuses the live id and gives up before the loop answers: its
         # add fails as a duplicate, and its clean-up abort must not touch "a".
         await add_and_give_up(llm, NewRequest("a", [7], params(5)))
@@ -266,15 +275,15 @@ def test_a_cancelled_add_held_back_behind_an_abort_never_runs(llm):
     async def main():
         first = await llm.add_requests([NewRequest("a", [1], params(100_000))])
         await wait_until(lambda: llm.num_steps > 0)
-        gate = block_next_step(llm)
-        await asyncio.sleep(0.05)
+        gate = llm.engine.hold_steps()
+        await until_held(llm)
         await first.aclose()
         # Held back until the abort is reported, then cancelled before it is applied.
         await add_and_give_up(llm, NewRequest("a", [7], params(100_000)))
         gate.set()
-        num_steps = llm.num_steps
-        await wait_until(lambda: llm.num_steps >= num_steps + 1)
-        await asyncio.sleep(0.1)  # time for a wrongly admitted add to start running
+        # The step after the abort reports it; a wrongly admitted add would then run.
+        await wait_until(lambda: not llm.engine.has_unfinished_requests())
+        await round_trip(llm)
 
     run(main())
     assert not llm.engine.running and llm.engine.aborted == ["a"]
@@ -288,8 +297,8 @@ def test_shutdown_refuses_new_work_at_once_and_answers_what_is_queued_behind_it(
     async def main():
         stream = await async_llm.add_requests([NewRequest("a", [1], params(100_000))])
         await wait_until(lambda: async_llm.num_steps > 0)
-        gate = block_next_step(async_llm)
-        await asyncio.sleep(0.05)  # the loop is now inside the held step
+        gate = engine.hold_steps()
+        await until_held(async_llm)
         async_llm.shutdown(timeout_s=0.01)  # gives up waiting; the loop still runs
         assert async_llm._thread.is_alive() and not async_llm.is_healthy
         with pytest.raises(EngineDeadError, match="shutting down"):
@@ -349,18 +358,13 @@ def test_a_step_outlasting_the_shutdown_wait_does_not_publish_into_the_closed_pu
     publisher = ClosingPublisher()
     async_llm = AsyncLLM(engine, publisher)
 
-    async def start_a_request():
-        engine.step_gate = threading.Event()  # the next step blocks until released
-        task = asyncio.ensure_future(collect(async_llm, "slow", [1], 5))
-        await wait_until(lambda: engine.running)
-        return task
-
     async def main():
-        task = await start_a_request()
-        await asyncio.sleep(0.1)  # the loop is now inside the gated step
+        gate = engine.hold_steps()
+        task = await start(collect(async_llm, "slow", [1], 5))
+        await until_held(async_llm)
         async_llm.shutdown(timeout_s=0.05)  # gives up waiting: the step still runs
         assert publisher.closed and async_llm._thread.is_alive()
-        engine.step_gate.set()
+        gate.set()
         await wait_until(lambda: not async_llm._thread.is_alive())
         with pytest.raises(EngineDeadError):
             await task

@@ -7,7 +7,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from prefixcache.entrypoints.arg_types import byte_size
+from prefixcache.arg_types import byte_size
 from prefixcache.entrypoints.openai.errors import from_validation_error
 from prefixcache.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from prefixcache.arg_types import byte_size, size_text
 from prefixcache.config import (
     DEFAULT_DTYPE,
     DEFAULT_EVICTION_POLICY,
@@ -23,33 +24,33 @@ from prefixcache.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from prefixcache.core.eviction import LearnedReuseFreeBlockQueue
+from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.entrypoints.arg_types import byte_size
 from prefixcache.entrypoints.cli import build_parser, main
 from prefixcache.entrypoints.openai.listen import listen_sockets
-from prefixcache.entrypoints.openai.serve_cmd import (
-    engine_options,
-    kv_events_options,
-    size_text,
-)
 from tests.entrypoints.conftest import MODEL_NAME, ServerProcess, assert_clean_exit
 from tests.processes import free_loopback_ports
 
 
-def test_flags_map_to_engine_options_in_vllm_spelling():
+def test_flags_map_to_engine_args_in_vllm_spelling():
     args = build_parser().parse_args([
         "serve", "/models/m", "--block-size", "32", "--no-enable-prefix-caching",
         "--prefix-caching-hash-algo", "sha256_cbor", "--num-gpu-blocks-override", "100",
         "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
         "--dtype", "bfloat16", "--seed", "3", "--eviction-policy", "2q"])
-    assert engine_options(args) == {
-        "model": "/models/m", "enable_prefix_caching": False, "block_size": 32,
-        "num_kv_blocks": 100, "dtype": "bfloat16", "hash_algo": "sha256_cbor",
-        "eviction_policy": "2q", "enable_chunked_prefill": True, "seed": 3,
-        "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 8, "max_num_batched_tokens": 512}
-    defaults = engine_options(build_parser().parse_args(["serve"]))
-    assert defaults["model"] is None and "max_num_seqs" not in defaults
-    assert defaults["eviction_policy"] == DEFAULT_EVICTION_POLICY == "lru"
+    assert EngineArgs.from_cli_args(args) == EngineArgs(
+        "/models/m", enable_prefix_caching=False, block_size=32, num_kv_blocks=100,
+        dtype="bfloat16", hash_algo="sha256_cbor", eviction_policy="2q",
+        enable_chunked_prefill=True, seed=3, kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=8, max_num_batched_tokens=512)
+    # The aliases set the same options.
+    aliases = build_parser().parse_args(["serve", "--num-kv-blocks", "7",
+                                         "--kv-cache-memory-bytes", "1000"])
+    aliased = EngineArgs.from_cli_args(aliases)
+    assert (aliased.num_kv_blocks, aliased.kv_cache_memory_bytes) == (7, 1000)
+    # No flag: the engine's own defaults, exactly as the Python API has them.
+    assert EngineArgs.from_cli_args(build_parser().parse_args(["serve"])) == EngineArgs()
+    assert EngineArgs().eviction_policy == DEFAULT_EVICTION_POLICY == "lru"
 
 
 def test_eviction_policy_flag_reaches_the_engines_block_pool(tiny_model_dir):
@@ -59,7 +60,8 @@ def test_eviction_policy_flag_reaches_the_engines_block_pool(tiny_model_dir):
         "serve", str(tiny_model_dir), "--eviction-policy", "learned-reuse",
         "--block-size", "4", "--num-kv-blocks", "16"])
     # As `run` builds it, minus uvicorn.
-    llm = AsyncLLM.from_options(**kv_events_options(args), **engine_options(args))
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                    KVEventsArgs.from_cli_args(args))
     try:
         block_pool = llm.engine.kv_cache_manager.block_pool
         assert block_pool.eviction_policy == "learned-reuse"
@@ -95,14 +97,14 @@ def test_kv_events_flags():
         "serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
         "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558", "--kv-events-topic", "kv",
         "--kv-events-block-hash-format", "bytes", "--data-parallel-rank", "3"])
-    assert kv_events_options(args) == {
-        "kv_events_endpoint": "tcp://127.0.0.1:5557",
-        "kv_events_replay_endpoint": "tcp://127.0.0.1:5558", "kv_events_topic": "kv",
-        "kv_events_block_hash_format": "bytes", "kv_events_data_parallel_rank": 3}
-    defaults = kv_events_options(build_parser().parse_args(["serve"]))
-    assert defaults["kv_events_endpoint"] is None
-    assert defaults["kv_events_block_hash_format"] == "int64"  # vLLM's default
-    assert defaults["kv_events_data_parallel_rank"] == 0  # endpoints bound as given
+    assert KVEventsArgs.from_cli_args(args) == KVEventsArgs(
+        kv_events_endpoint="tcp://127.0.0.1:5557",
+        kv_events_replay_endpoint="tcp://127.0.0.1:5558", kv_events_topic="kv",
+        kv_events_block_hash_format="bytes", data_parallel_rank=3)
+    defaults = KVEventsArgs.from_cli_args(build_parser().parse_args(["serve"]))
+    assert defaults == KVEventsArgs() and not defaults.enabled
+    assert defaults.kv_events_block_hash_format == "int64"  # vLLM's default
+    assert defaults.data_parallel_rank == 0  # endpoints bound as given
 
 
 def test_data_parallel_rank_offsets_both_endpoints_and_stamps_the_engines_batches(
@@ -119,7 +121,8 @@ def test_data_parallel_rank_offsets_both_endpoints_and_stamps_the_engines_batche
         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port - 2}",
         "--data-parallel-rank", "2"])
     # As `run` builds it, minus uvicorn.
-    llm = AsyncLLM.from_options(**kv_events_options(args), **engine_options(args))
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                    KVEventsArgs.from_cli_args(args))
     try:
         publisher = llm.event_publisher
         assert publisher.endpoint == f"tcp://127.0.0.1:{live_port}"
@@ -162,11 +165,11 @@ def test_data_parallel_rank_bad_endpoint_exits_2_with_one_line_before_the_model_
         flags, message, monkeypatch, capsys):
     from prefixcache.engine.llm_engine import LLMEngine
 
-    def from_options(**_):
+    def from_engine_args(*_):
         # Fail, not load the default model and serve forever, if the endpoint is accepted.
         pytest.fail("the model was loaded although the KV events endpoint is unusable")
 
-    monkeypatch.setattr(LLMEngine, "from_options", from_options)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", from_engine_args)
     created = record_sockets(monkeypatch)
     assert main(["serve", "--port", "0", *flags]) == 2
     captured = capsys.readouterr()
@@ -221,10 +224,10 @@ def record_sockets(monkeypatch) -> list[socket.socket]:
 def forbid_engine(monkeypatch) -> None:
     from prefixcache.engine.async_llm import AsyncLLM
 
-    def from_options(**_):
+    def from_engine_args(*_):
         pytest.fail("the engine (and the model) was built although the port is unusable")
 
-    monkeypatch.setattr(AsyncLLM, "from_options", from_options)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
 
 
 @pytest.fixture
@@ -264,7 +267,7 @@ def test_the_port_listens_before_the_engine_loads_and_closes_if_it_fails(tiny_mo
     created = record_sockets(monkeypatch)
     seen = {}
 
-    def from_options(**_):
+    def from_engine_args(*_):
         [listener] = created
         seen["port"] = listener.getsockname()[1]
         # Already listening: a client connects (and would wait in the backlog).
@@ -272,7 +275,7 @@ def test_the_port_listens_before_the_engine_loads_and_closes_if_it_fails(tiny_mo
             pass
         raise ValueError("no engine in this test")
 
-    monkeypatch.setattr(AsyncLLM, "from_options", from_options)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
     assert main(["serve", str(tiny_model_dir), "--port", "0"]) == 2
     assert capsys.readouterr().err == "prefixcache serve: no engine in this test\n"
     assert seen["port"] != 0

@@ -169,6 +169,7 @@ def test_engine_errors_name_the_prompt_not_internal_request_ids(http):
     message = response.json()["error"]["message"]
     assert response.status_code == 400
     assert message.startswith("prompt 1: ") and "cmpl-" not in message
+    assert response.json()["error"]["param"] == "prompt"
 
 
 @pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b'"text"',

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -25,14 +24,12 @@ from prefixcache.events.wire import (
     decode_batch,
     encode_batch,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VECTORS_PATH = REPO_ROOT.parent / "shared" / "compat" / "vllm-block-hash-vectors.json"
+from tests.data_paths import REPO_ROOT, VLLM_HASH_VECTORS_PATH
 
 
 @pytest.fixture(scope="module")
 def vectors() -> dict:
-    return json.loads(VECTORS_PATH.read_text())
+    return json.loads(VLLM_HASH_VECTORS_PATH.read_text())
 
 
 def _vector_batch() -> KVEventBatch:

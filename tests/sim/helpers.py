@@ -1,4 +1,5 @@
-"""Shared pieces of the replay tests: the shared trace, small traces, and an independent LRU.
+"""Shared pieces of the replay tests: the Mooncake trace (in data/), small traces, and an
+independent LRU.
 
 The independent LRU simulation knows nothing of the manager: it models the free queue as an
 ordered dict of block keys (hashes for cached content, fresh tokens for blocks that hold
@@ -15,14 +16,11 @@ from pathlib import Path
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.trace import Trace, TraceRequest, load_trace
-
-# tests/sim/helpers.py -> parents[3] is the directory holding the repo and "shared".
-SHARED_DIR = Path(__file__).resolve().parents[3] / "shared"
-TRACE_PATH = SHARED_DIR / "traces" / "mooncake" / "synthetic_trace.jsonl"
+from tests.data_paths import MOONCAKE_TRACE_PATH
 
 
 def trace_prefix(num_requests: int) -> Trace:
-    return load_trace(TRACE_PATH, max_requests=num_requests)
+    return load_trace(MOONCAKE_TRACE_PATH, max_requests=num_requests)
 
 
 def prepared_prefix(num_requests: int, block_size: int = 512,

@@ -11,15 +11,16 @@ import pytest
 
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
+from tests.data_paths import MOONCAKE_TRACE_PATH
 from tests.processes import run_with_reader_gone
-from tests.sim.helpers import TRACE_PATH, write_lines
+from tests.sim.helpers import write_lines
 
 
 @pytest.fixture
 def small_trace(tmp_path):
-    """The first 200 requests of the shared trace."""
+    """The first 200 requests of the Mooncake trace in data/."""
     path = tmp_path / "head.jsonl"
-    with TRACE_PATH.open() as source:
+    with MOONCAKE_TRACE_PATH.open() as source:
         path.write_text("".join(next(source) for _ in range(200)))
     return path
 

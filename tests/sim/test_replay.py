@@ -173,6 +173,28 @@ def test_a_huge_capacity_replays_with_a_pool_of_the_trace_demand(prefix_512, mon
     assert num_blocks_to_simulate(prefix_512, demand - 1) == demand - 1
 
 
+@pytest.mark.parametrize("policy", sorted(replay_module.OFFLINE_POLICIES))
+def test_an_offline_policy_is_built_by_the_pools_factory_and_never_swapped(policy,
+                                                                           monkeypatch):
+    managers = []
+
+    class RecordingManager(replay_module.KVCacheManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            managers.append((self, self.block_pool.free_block_queue))
+
+    monkeypatch.setattr(replay_module, "KVCacheManager", RecordingManager)
+    prepared = prepare_trace(random_mooncake_trace(1), TraceExpander(128))
+    replay(prepared, ReplayConfig(40, policy))
+    [(manager, queue_at_construction)] = managers
+    pool = manager.block_pool
+    assert pool.free_block_queue is queue_at_construction
+    assert type(queue_at_construction) is not type(EVICTION_POLICIES["lru"]([]))
+    assert queue_at_construction.future is not None  # the oracle knows the trace's future
+    assert pool.eviction_policy == policy
+    assert pool.num_evictions > 0  # the capacity was tight enough for the oracle to act
+
+
 @pytest.mark.parametrize("mode", [{"concurrency": 3}, {"timeline": True}])
 def test_a_pool_of_the_demand_reports_what_a_larger_pool_does(mode, monkeypatch):
     """The shortcut against the real thing: with it disabled, a pool five times the demand

@@ -8,10 +8,11 @@ import sys
 import pytest
 
 from prefixcache.sim.trace import TraceFormatError, load_trace, parse_line
-from tests.sim.helpers import TRACE_PATH, trace_prefix, write_lines
+from tests.data_paths import MOONCAKE_TRACE_PATH
+from tests.sim.helpers import trace_prefix, write_lines
 
 
-def test_shared_trace_parses_as_mooncake():
+def test_vendored_trace_parses_as_mooncake():
     trace = trace_prefix(50)
     assert len(trace.requests) == 50
     first = trace.requests[0]
@@ -21,8 +22,8 @@ def test_shared_trace_parses_as_mooncake():
     assert trace.has_timestamps and trace.num_bad_lines == 0
 
 
-def test_whole_shared_trace_is_well_formed():
-    trace = load_trace(TRACE_PATH)
+def test_whole_vendored_trace_is_well_formed():
+    trace = load_trace(MOONCAKE_TRACE_PATH)
     assert len(trace.requests) == 3993
     assert trace.num_bad_lines == 0
 

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
-from prefixcache.engine.output_stream import EngineDeadError
+from prefixcache.engine.errors import EngineDeadError
 from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -193,29 +193,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The server's ASGI app over a running AsyncLLM (which the caller shuts down)."""
     authenticator = authenticator or Authenticator()
-    publisher = llm.event_publisher
-
-    def read_engine() -> dict[str, Any]:
-        stats = llm.get_stats()
-        return {
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_preempted_queries": stats.prefix_cache_preempted_queries,
-            "prefix_cache_preempted_hits": stats.prefix_cache_preempted_hits,
-            "prompt_tokens": stats.prompt_tokens,
-            "generation_tokens": stats.generation_tokens,
-            "num_preemptions": stats.num_preemptions,
-            "num_evictions": stats.num_evictions,
-            "engine_steps": llm.num_steps,
-            "kv_events_published": getattr(publisher, "num_published_batches", 0),
-            "kv_events_dropped": getattr(publisher, "num_dropped_batches", 0),
-            "num_requests_running": stats.num_running,
-            "num_requests_waiting": stats.num_waiting,
-            "kv_cache_usage_perc": stats.kv_cache_usage,
-            "num_kv_blocks": model_info.num_kv_blocks,
-        }
-
-    metrics = ServerMetrics(read_engine)
+    metrics = ServerMetrics(llm.get_stats)
     serving = OpenAIServing(llm, tokenizer, model_info, metrics)
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving

@@ -1,36 +1,21 @@
 """``/metrics``: Prometheus text exposition of the engine and the server.
 
 Names follow vLLM's, under a ``prefixcache:`` prefix, so dashboards written for vLLM need
-only the prefix changed. Engine figures are read at scrape time from AsyncLLM's stats
-snapshot (a custom collector: counters are the engine's own cumulative totals, so a scrape
-never disagrees with the engine); per-request latencies are histograms observed by the
-server as requests finish.
+only the prefix changed. Two sources:
 
-==============================================  =========  ================================
-metric                                          type       meaning
-==============================================  =========  ================================
-prefixcache:prefix_cache_queries_total          counter    prompt tokens looked up
-prefixcache:prefix_cache_hits_total             counter    of those, served from the cache
-prefixcache:prefix_cache_preempted_queries_total  counter  the same, for preempted requests
-prefixcache:prefix_cache_preempted_hits_total   counter    readmitted (not in the above)
-prefixcache:prompt_tokens_total                 counter    prompt tokens admitted
-prefixcache:generation_tokens_total             counter    tokens generated
-prefixcache:num_preemptions_total               counter    requests preempted
-prefixcache:num_evictions_total                 counter    cached blocks evicted
-prefixcache:engine_steps_total                  counter    engine steps (one batch each)
-prefixcache:kv_events_published_total           counter    KV event batches sent
-prefixcache:kv_events_dropped_total             counter    KV event batches dropped
-prefixcache:request_success_total{finished_reason}  counter  engine requests finished
-prefixcache:num_requests_running                gauge      requests running
-prefixcache:num_requests_waiting                gauge      requests waiting (incl. preempted)
-prefixcache:kv_cache_usage_perc                 gauge      fraction (0..1) of KV blocks in use
-prefixcache:num_kv_blocks                       gauge      KV blocks in the pool
-prefixcache:time_to_first_token_seconds         histogram  arrival -> first token
-prefixcache:e2e_request_latency_seconds         histogram  arrival -> finished
-==============================================  =========  ================================
+- The engine's counters and gauges, declared once with their names, kinds and help in
+  :class:`~prefixcache.engine.stats.EngineStats` and read at scrape time from AsyncLLM's
+  snapshot (a custom collector: counters are the engine's own cumulative totals, so a
+  scrape never disagrees with the engine). E.g. ``prefixcache:prefix_cache_hits_total``,
+  ``prefixcache:num_requests_running``, ``prefixcache:kv_cache_usage_perc`` (a fraction,
+  like vLLM's despite the name).
+- Per-request figures the server observes as requests finish, declared in
+  :class:`ServerMetrics`: ``prefixcache:time_to_first_token_seconds`` and
+  ``prefixcache:e2e_request_latency_seconds`` (histograms, arrival -> first token and ->
+  finished) and ``prefixcache:request_success_total{finished_reason}``.
 
-``kv_cache_usage_perc`` is a fraction, like vLLM's despite the name. Each server has its own
-registry, so several servers in one process (tests) never share or clash.
+Each server has its own registry, so several servers in one process (tests) never share
+or clash.
 """
 
 from __future__ import annotations
@@ -41,6 +26,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from prefixcache.engine.stats import COUNTER, EngineStats, metric_fields
 
 PREFIX = "prefixcache:"
 
@@ -55,43 +42,24 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's snapshot (and the event publisher's counters) at scrape time."""
+    """Reads the engine's stats snapshot at scrape time: one metric per stat field."""
 
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], EngineStats]) -> None:
         self._read = read
+        self._metric_fields = metric_fields()
 
     def collect(self) -> Iterator[Any]:
-        values = self._read()
-        for name, documentation in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
-            ("prefix_cache_preempted_queries",
-             "Tokens of readmitted preempted requests looked up in the prefix cache."),
-            ("prefix_cache_preempted_hits",
-             "Tokens of readmitted preempted requests served from the prefix cache."),
-            ("prompt_tokens", "Prompt tokens of admitted requests."),
-            ("generation_tokens", "Generated tokens."),
-            ("num_preemptions", "Requests preempted (blocks freed, to be recomputed)."),
-            ("num_evictions", "Cached blocks evicted to make room."),
-            ("engine_steps", "Engine steps run; each step is one batch of requests."),
-            ("kv_events_published", "KV event batches sent to subscribers."),
-            ("kv_events_dropped", "KV event batches dropped because the queue was full."),
-        ):
-            yield CounterMetricFamily(PREFIX + name, documentation, value=values[name])
-        for name, documentation in (
-            ("num_requests_running", "Requests running in the engine."),
-            ("num_requests_waiting", "Requests waiting, preempted ones included."),
-            ("kv_cache_usage_perc", "Fraction (0..1) of KV cache blocks held by requests."),
-            ("num_kv_blocks", "KV cache blocks in the pool."),
-        ):
-            yield GaugeMetricFamily(PREFIX + name, documentation, value=values[name])
+        stats = self._read()
+        for name, spec in self._metric_fields:
+            family = CounterMetricFamily if spec.kind == COUNTER else GaugeMetricFamily
+            yield family(PREFIX + spec.metric, spec.help, value=getattr(stats, name))
 
 
 class ServerMetrics:
-    """The server's registry. ``read_engine`` returns the collector's dict (keys: the
-    counter and gauge names of the module table, without prefix and suffix)."""
+    """The server's registry. ``read_engine`` returns the engine's stats snapshot
+    (``AsyncLLM.get_stats``)."""
 
-    def __init__(self, read_engine: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read_engine: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(read_engine))
         self.time_to_first_token = Histogram(

@@ -1,6 +1,8 @@
 """``prefixcache serve``: the OpenAI-compatible server on uvicorn.
 
-Flags use vLLM's spelling where vLLM has the option. Importing this module is cheap (no
+Flags use vLLM's spelling where vLLM has the option. The engine's flags and the KV events
+flags are declared once, in :mod:`prefixcache.engine.arg_utils` (``EngineArgs``,
+``KVEventsArgs``); the server's own are declared here. Importing this module is cheap (no
 torch, no FastAPI); ``run`` pays for them.
 
 Check first, then commit: ``run`` binds and listens on ``--host``/``--port`` before it loads
@@ -15,26 +17,13 @@ import argparse
 import logging
 import sys
 
-from prefixcache.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_DTYPE,
-    DEFAULT_EVICTION_POLICY,
-    DEFAULT_HASH_ALGO,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    DTYPES,
-    EVICTION_POLICIES,
-    HASH_ALGOS,
-)
-from prefixcache.entrypoints.arg_types import byte_size, non_negative_int, port, positive_int
+from prefixcache.arg_types import byte_size, port, size_text
+from prefixcache.config import DEFAULT_MODEL_NAME
+from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
 
 logger = logging.getLogger("prefixcache.serve")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
-BLOCK_HASH_FORMATS = ("int64", "bytes")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -59,23 +48,12 @@ examples:
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
 """
 
-def size_text(num_bytes: int) -> str:
-    """``num_bytes`` as the largest binary unit that divides it (``2GiB``), as
-    ``--kv-cache-memory`` and ``--max-request-body-bytes`` take it."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model folder or .gguf file "
-                             f"(default: {DEFAULT_MODEL_NAME})")
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     net.add_argument("--port", type=port, default=8000,
@@ -99,68 +77,8 @@ def register(subparsers) -> None:
     net.add_argument("--uvicorn-log-level", default="warning", choices=LOG_LEVELS,
                      help="uvicorn's own logs, access log included at info "
                           "(default: %(default)s)")
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
-                     help="dtype of the weights and the KV cache (default: %(default)s)")
-    eng.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
-                     help="tokens per KV block (default: %(default)s)")
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                     default=True,
-                     help="reuse cached KV blocks across requests (default: enabled)")
-    eng.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO,
-                     choices=HASH_ALGOS,
-                     help="hash of the KV block keys (KV events publish them): the sha256 "
-                          "ones resist collisions, the xxhash ones are faster, the *_cbor "
-                          "ones equal vLLM's byte for byte (default: %(default)s)")
-    eng.add_argument("--eviction-policy", default=DEFAULT_EVICTION_POLICY,
-                     choices=list(EVICTION_POLICIES),
-                     help="which free cached block is evicted first: lru (the design's "
-                          "order), unhashed-first (vLLM 0.33's order), 2q (protects "
-                          "content referenced twice), learned-reuse (learns which kinds of "
-                          "requests leave reused content), document-liveness (evicts first "
-                          "what belongs to documents least likely to be asked about again) "
-                          "(default: %(default)s)")
-    eng.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                     type=positive_int, default=None, metavar="N",
-                     help="KV pool size in blocks, overriding --kv-cache-memory "
-                          "(default: as many as --kv-cache-memory holds)")
-    eng.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
-                     type=byte_size, default=None, metavar="SIZE",
-                     help="memory for the KV pool, e.g. 512MiB; the pool never exceeds "
-                          "--max-num-seqs full-context sequences "
-                          f"(default: {size_text(DEFAULT_KV_CACHE_MEMORY_BYTES)})")
-    eng.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
-                     help="most requests running at once; more wait in a queue "
-                          f"(default: {DEFAULT_MAX_NUM_SEQS})")
-    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                     help="most tokens one step computes, prompt chunks and decodes "
-                          f"together (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                     default=True,
-                     help="split prompts longer than a step's token budget over several "
-                          "steps; without it such a prompt is refused (default: enabled)")
-    eng.add_argument("--seed", type=int, default=None,
-                     help="seed for requests that bring no seed of their own "
-                          "(default: none, so those sample differently each time)")
-    events = parser.add_argument_group("KV cache events (vLLM-compatible ZMQ)")
-    events.add_argument("--kv-events-endpoint", default=None, metavar="E",
-                        help="publish KV events on this PUB endpoint, "
-                             "e.g. tcp://127.0.0.1:5557")
-    events.add_argument("--kv-events-replay-endpoint", default=None, metavar="E",
-                        help="answer replay requests on this ROUTER endpoint")
-    events.add_argument("--kv-events-topic", default="", metavar="TOPIC",
-                        help="first frame of every message, for subscribers to filter on "
-                             "(default: empty)")
-    events.add_argument("--kv-events-block-hash-format", default="int64",
-                        choices=BLOCK_HASH_FORMATS,
-                        help="block hashes as vLLM's 64-bit integers (the digest's low 8 "
-                             "bytes, big-endian) or as raw digests (default: %(default)s)")
-    events.add_argument("--data-parallel-rank", type=non_negative_int, default=0, metavar="R",
-                        help="this replica's rank among the engines behind one router; "
-                             "stamped into every KV event batch and added to the port of the "
-                             "KV event endpoints (ipc/inproc paths get a _dpR suffix), so "
-                             "replicas on one host can be started with the same flags "
-                             "(default: %(default)s)")
+    EngineArgs.add_cli_args(parser, positional=("model",))
+    KVEventsArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -187,40 +105,6 @@ def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
         logger.warning("--served-model-name: %s given more than once; serving each once",
                        ", ".join(repr(name) for name in repeated))
     return names
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The ``LLMEngine.from_options`` keywords the flags set (unset ones left out, so the
-    engine's defaults apply)."""
-    options = {
-        "model": args.model,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "dtype": args.dtype,
-        "hash_algo": args.prefix_caching_hash_algo,
-        "eviction_policy": args.eviction_policy,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "seed": args.seed,
-    }
-    for flag, option in (("kv_cache_memory", "kv_cache_memory_bytes"),
-                         ("max_num_seqs", "max_num_seqs"),
-                         ("max_num_batched_tokens", "max_num_batched_tokens")):
-        value = getattr(args, flag)
-        if value is not None:
-            options[option] = value
-    return options
-
-
-def kv_events_options(args: argparse.Namespace) -> dict:
-    """The ``AsyncLLM.from_options`` keywords of the KV events flags."""
-    return {
-        "kv_events_endpoint": args.kv_events_endpoint,
-        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
-        "kv_events_topic": args.kv_events_topic,
-        "kv_events_block_hash_format": args.kv_events_block_hash_format,
-        "kv_events_data_parallel_rank": args.data_parallel_rank,
-    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,7 +143,8 @@ def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
     from prefixcache.engine.async_llm import AsyncLLM
 
     try:
-        llm = AsyncLLM.from_options(**kv_events_options(args), **engine_options(args))
+        llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                        KVEventsArgs.from_cli_args(args))
     except (OSError, ValueError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@ prompt ``p`` has index ``p * n + i`` and seed ``seed + i`` (when a seed is given
 
 Checks made here, before the engine sees anything, so each gets a precise 400: the
 model name (404), the prompt against the context and the KV pool, and ``max_tokens``
-against what the context leaves. The engine re-checks; its ValueError is a 400 too.
+against what the context leaves. The engine re-checks; its refusal
+(:class:`~prefixcache.engine.errors.InvalidRequestError`) is a 400 too, naming the prompt
+it is about rather than the internal request id.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.engine.async_llm import AsyncLLM, NewRequest
-from prefixcache.engine.output_stream import EngineDeadError, OutputStream
+from prefixcache.engine.errors import EngineDeadError, InvalidRequestError
+from prefixcache.engine.output_stream import OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.openai.errors import APIError, bad_request, error_body, error_json
@@ -239,10 +242,14 @@ class OpenAIServing:
                     cache_salt, arrival_time))
         try:
             stream = await self.llm.add_requests(new_requests)
+        except InvalidRequestError as exc:
+            index = request_id_to_index.get(exc.request_id)
+            message = exc.message
+            if len(prompts_token_ids) > 1 and index is not None:
+                message = f"prompt {index // n}: {message}"
+            raise bad_request(message, param=exc.param) from exc
         except ValueError as exc:
-            message, param = _in_client_terms(str(exc), request_id_to_index, n,
-                                              len(prompts_token_ids))
-            raise bad_request(message, param=param) from exc
+            raise bad_request(str(exc)) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
@@ -350,20 +357,3 @@ class OpenAIServing:
                                              choices=[choice]).model_dump_json()
                 for choice in chunks]
 
-
-def _in_client_terms(message: str, request_id_to_index: dict[str, int], n: int,
-                     num_prompts: int) -> tuple[str, str | None]:
-    """An engine error about one of our internal requests, in the client's terms, and the
-    request field it is about.
-
-    The engine names the request by its internal id (``request 'cmpl-…-1-0': …``), which
-    means nothing to the client; name the prompt instead (or nothing, for a single
-    prompt). Such an error is about the prompt (a token id outside the vocabulary, ...):
-    the sampling parameters were validated here before the engine saw them. Any other
-    message is returned as is, naming no field."""
-    for request_id, index in request_id_to_index.items():
-        prefix = f"request {request_id!r}: "
-        if message.startswith(prefix):
-            rest = message[len(prefix):]
-            return (rest if num_prompts == 1 else f"prompt {index // n}: {rest}"), "prompt"
-    return message, None

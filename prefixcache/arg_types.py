@@ -1,4 +1,5 @@
-"""argparse ``type=`` converters shared by the subcommands.
+"""argparse ``type=`` converters shared by the subcommands and the declared options
+(:mod:`prefixcache.engine.arg_utils`); standard library only, so any layer may use them.
 
 Each raises ``argparse.ArgumentTypeError`` with a message naming the bad value, which
 argparse turns into a usage error (exit code 2, no traceback).
@@ -101,3 +102,12 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return value
+
+
+def size_text(num_bytes: int) -> str:
+    """``num_bytes`` as the largest binary unit that divides it (``2GiB``), as
+    :func:`byte_size` reads it back."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)

@@ -1,7 +1,7 @@
-"""Free queues ordered by a score instead of by position: lazy min-heaps.
+"""Free queues ordered by a key instead of by position: lazy min-heaps.
 
-The linked list of :class:`~prefixcache.core.block.FreeKVCacheBlockQueue` can only put a
-block at either end. A policy that ranks every free block by a computed value (Belady's
+The linked list of :class:`~prefixcache.core.eviction.base.FreeKVCacheBlockQueue` can only
+put a block at either end. A policy that ranks every free block by a computed value (Belady's
 next use, a predicted chance of reuse) needs a priority queue; this is that queue, behind
 the same contract, so the block pool cannot tell the difference.
 
@@ -23,12 +23,14 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from prefixcache.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction.base import FreeKVCacheBlockQueue
 
 
 class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
     """What the key-ordered queues share: per-block versions (odd while queued) for O(1)
-    removal, and the contract's methods around the subclass's :meth:`_pop_lowest`."""
+    removal, and the contract's methods around the subclass's :meth:`_pop_lowest`.
+    ``prepend_n`` cannot honour "first": it orders by key like ``append_n``."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._versions: dict[int, int] = {}
@@ -37,9 +39,6 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
     def _pop_lowest(self) -> KVCacheBlock:
         """Take the next block to evict (there is one)."""
         raise NotImplementedError
-
-    def _on_removed(self, block: KVCacheBlock) -> None:
-        """``block`` was just removed from the middle of the queue (a hit)."""
 
     def _enter(self, block: KVCacheBlock) -> int:
         """Count ``block`` in; returns its new (odd) version."""
@@ -63,8 +62,7 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
         return self._pop_lowest()
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if not self._can_take(n):
-            return []
+        self._check_take(n)
         return [self._pop_lowest() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -72,13 +70,9 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
         if version is None or version % 2 == 0:
             raise RuntimeError(f"block {block.block_id} is not in the free queue")
         self._leave_if_current(block, version)
-        self._on_removed(block)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         self.append_n(blocks)  # the order is the keys', whatever the caller asks
-
-    def release(self, blocks: list[KVCacheBlock], request=None) -> None:
-        self.append_n(blocks)
 
 
 class ScoredFreeBlockQueue(VersionedFreeBlockQueue):
@@ -132,7 +126,8 @@ class ScoredFreeBlockQueue(VersionedFreeBlockQueue):
 
     # -- the free-queue contract -----------------------------------------------------------
 
-    def _on_removed(self, block: KVCacheBlock) -> None:
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
         if len(self._heap) > 2 * self.num_free_blocks + 1024:
             # Hits leave stale entries behind; without this the heap would grow with every
             # hit for as long as the blocks stay free.
@@ -230,7 +225,8 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
         heapq.heapify(heap)
         self._heap = heap
 
-    def _on_removed(self, block: KVCacheBlock) -> None:
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
         self._leave_group(block)
 
     def _leave_group(self, block: KVCacheBlock) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
-from prefixcache.core.adaptive_eviction import (
+from prefixcache.core.eviction.adaptive import (
     CANDIDATE_PROTECTED_FRACTIONS,
     AdaptiveFreeBlockQueue,
     ShadowSegmentedLRU,

@@ -1,73 +1,35 @@
-"""Eviction by how likely a document is to be asked about again: ``document-liveness``.
+"""The estimator behind ``document-liveness``: how likely a document is to be asked about
+again, and how much of its prompt the next request shares.
 
-A *document* is the content behind the first full block of a prompt: every request whose
-prompt starts with the same block (same hash, so same tokens, salt and LoRA) asks about
-the same document — a long text that several questions share, or the earlier turns of a
-chat. On traces of such workloads the next request usually comes from any of the
-documents still being asked about, each about equally likely; what an eviction policy can
-tell apart is *which documents are still alive* — will be asked about again at all.
+Time counts finished requests. A *state* is a document having just had its ``k``-th
+request; it gets a *class*, and later either a continuation (the document's next request)
+or nothing yet. The model, fitted online:
 
-The policy models exactly that, online, from what the cache sees:
-
-- A document in a given *class* after its ``k``-th request gets another request with
-  probability ``p`` (learned per class). Classes use features any engine has, as bit
-  lengths so that no threshold is tuned to a trace: after the first request, the tokens
-  it generated and its prompt length; after a later one, how much the document's prompt
-  lengths have varied so far and ``min(k, 8)``. Estimates are shrunk towards their
-  coarser class (first request or later one, then the first feature alone).
+- A document in a given class gets another request with probability ``p`` (learned per
+  class). Classes are bit lengths of features any engine has, so that no threshold is
+  tuned to a trace: after the first request, the tokens it generated and its prompt
+  length; after a later one, how much the document's prompt lengths have varied so far
+  and ``min(k, max_count)``. Each estimate is shrunk towards its coarser class (first
+  request or later one, then the first feature alone).
 - An alive document's next request arrives at the same rate ``h(t)`` per request as any
-  other's; the rate drifts (it rises as the set of live documents drains), so it is fitted
-  per bin of releases. After a silence, the chance that the document is alive is
-  ``p·S / (p·S + 1 - p)`` with ``S = exp(-(H(now) - H(t0)))`` and ``H`` the cumulative
-  rate: its log-odds are ``logit(p) + H(t0) - H(now)``. ``H(now)`` is common to every
-  block, so the key ``logit(p) + H(t0)``, which time passing does not change, ranks
-  free blocks by their chance of being alive; the lowest is evicted first.
-- A block also needs the document's next request to *reach* it: the last tokens of a
-  prompt often hold the question, which the next request replaces. The key adds
-  ``log r(d)``, the learned share of blocks at depth ``d`` from the end of a prompt that
-  the document's next request shared; ``d`` is the bit length of the block's distance
-  from the prompt's end in tokens (so the classes mean the same at any block size),
-  capped at 12 (2,048 tokens and more).
-- ``p`` and ``h`` are fitted together by expectation-maximisation, every 25 releases:
-  a request that came gives its document's previous state weight 1; a state still waiting
-  counts with its posterior chance of being alive, and the rate is continuations over
-  alive exposure. After each fit every free block is re-keyed with its class's new ``p``
-  and its depth's new ``r`` (its ``H`` at release stays): early estimates are poor — the
-  first silences cannot yet tell "dead" from "asked rarely" — and keys frozen at release
-  would keep those errors in the ranking for as long as the blocks stay cached. The fit
-  covers at most the last 5,000 states (cut back to the last 2,500 when full), and at
-  most 20,000 documents are remembered, each with the hashes of its latest prompt's last
-  64 blocks only, so memory (under 100 MB at worst) and fitting time stay bounded
-  however long the engine runs.
+  other's; the rate drifts, so it is fitted per bin of ``hazard_bin`` releases. ``H`` is
+  its integral, the *clock*.
+- ``r(d)``: the share of blocks at depth class ``d`` that a document's next request
+  shared, ``d`` being the bit length of the block's distance in tokens from its prompt's
+  end (so classes mean the same at any block size), capped at ``max_depth_bits``.
 
-Blocks holding no cached content go first, as in ``unhashed-first``. A request's blocks are
-released deepest first, and among equal keys the first released goes first. A preempted
-request's release is not a request: its blocks get the key of an unknown document, and it
-counts when it finishes.
-
-What it costs: a heap of release groups (O(log groups) per group released or emptied),
-and every 25 finished requests a refit over at most 5,000 states (plain Python, as the
-whole core: about 15 ms for 5,000 states) and a re-key of the free groups. On the
-shared Mooncake trace it is the best online policy from 2,000 to 12,000 blocks of 512
-tokens, where Belady's lead over LRU is widest (at 4,000 blocks it closes 28 % of that
-lead); ``learned-reuse`` is a little better at 1,000, 16,000 and 24,000
-(docs/benchmarks.md). It assumes nothing about that trace beyond documents being asked
-about more than once, but its gain depends on workloads having that shape.
+``p`` and ``h`` are fitted together by expectation-maximisation every ``refit_every``
+finished requests, over at most the last ``max_states`` states (cut back to half when
+full): a state that continued has weight 1; one still waiting counts with its posterior
+chance of being alive, ``p·S / (p·S + 1 - p)`` with ``S = exp(-(H(now) - H(start)))``;
+the rate per bin is continuations over alive exposure. Plain Python, as the whole core.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable
 
-from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.hashing import BlockHash
-from prefixcache.core.request import Request, RequestStatus
-from prefixcache.core.scored_free_queue import GroupedScoredFreeBlockQueue, KeyGroup
-
-# The class of content released without a finished request to tell its document.
-UNKNOWN_CLASS = -1
 
 
 def logit(p: float) -> float:
@@ -90,8 +52,11 @@ def cumulative_rate(offset: int, rates: list[float], at_bin_start: list[float],
 KEPT_TAIL_HASHES = 64
 
 
-class _Document:
-    """What the policy remembers of one document."""
+class DocumentHistory:
+    """What the policy remembers of one document: its requests so far, its first
+    request's lengths, the range of its prompt lengths, its latest state in the model, and
+    its latest prompt (how many full blocks, and the hashes of the last
+    :data:`KEPT_TAIL_HASHES` of them)."""
 
     __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
                  "min_prompt_tokens", "max_prompt_tokens", "state_id",
@@ -168,7 +133,7 @@ class DocumentLivenessModel:
 
     # -- classes ------------------------------------------------------------------------
 
-    def class_path(self, document: _Document) -> tuple[tuple, tuple, tuple]:
+    def class_path(self, document: DocumentHistory) -> tuple[tuple, tuple, tuple]:
         """The document's class at each level, coarsest first."""
         if document.num_requests == 1:
             output_bits = document.first_output_tokens.bit_length()
@@ -200,7 +165,7 @@ class DocumentLivenessModel:
         self.now += 1
         self.clock += self.rate
 
-    def new_state(self, document: _Document) -> int:
+    def new_state(self, document: DocumentHistory) -> int:
         """``document`` just had a request (``num_requests`` already counted): close its
         previous state as continued, open a new one; returns its id."""
         previous = document.state_id - self._first_state_id
@@ -358,107 +323,3 @@ class DocumentLivenessModel:
                  "estimated_p": row["p_sum"] / row["states"]}
                 for key, row in sorted(rows.items(),
                                        key=lambda item: (item[0][0] != "first", item[0][1]))]
-
-
-class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
-    """The ``document-liveness`` policy (module docstring): free blocks keyed by
-    ``logit(p) + H(release) + log r(depth)``, lowest evicted first; blocks holding
-    nothing cached first of all. The blocks one request releases at one depth class
-    share a key, so they form one group and a re-key costs one key per group.
-    ``max_documents`` bounds the documents remembered (least recently asked about
-    forgotten first); ``model`` is the estimator (default: a
-    :class:`DocumentLivenessModel` with its default knobs)."""
-
-    policy_name = "document-liveness"
-
-    def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 20_000,
-                 model: DocumentLivenessModel | None = None) -> None:
-        self.model = model if model is not None else DocumentLivenessModel()
-        self.max_documents = max_documents
-        self._documents: OrderedDict[BlockHash, _Document] = OrderedDict()
-        self._num_fits_keyed = 0
-        super().__init__(blocks)
-
-    def parts_for(self, block: KVCacheBlock) -> tuple[int, float, int] | None:
-        """A block released without a (finished) request: an unknown document's,
-        released now (empty blocks: None)."""
-        if block.block_hash is None:
-            return None
-        return UNKNOWN_CLASS, self.model.clock, 0
-
-    def key_of_parts(self, parts: tuple[int, float, int]) -> float:
-        """``logit(p) + H(release) + log r(depth)`` from the current estimates; parts are
-        (finest class or UNKNOWN_CLASS, H at release, depth class)."""
-        finest_class, clock, depth = parts
-        model = self.model
-        if finest_class == UNKNOWN_CLASS:
-            return logit(model.overall_p) + clock
-        return (logit(model.class_probability(finest_class)) + clock
-                + model.log_share_reached(depth))
-
-    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
-        prompt_hashes = self._prompt_hashes(request)
-        if not prompt_hashes or request.status is RequestStatus.PREEMPTED:
-            self.append_n(blocks)
-            return
-        model = self.model
-        block_size = request.block_hasher.block_size
-        document = self._note_request(request, prompt_hashes, block_size)
-        if model.num_fits != self._num_fits_keyed:
-            # Early estimates are poor; keys frozen at release would keep their errors.
-            self._num_fits_keyed = model.num_fits
-            self._recompute_keys()
-        finest_class = model.finest_class(document.state_id)
-        clock = model.clock
-        last = len(prompt_hashes) - 1
-        depth_of = {block_hash: model.depth_class(last - position, block_size)
-                    for position, block_hash in enumerate(prompt_hashes)}
-        groups: dict[int, KeyGroup] = {}  # by depth class
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is None:
-                self._add_empty(block)
-                continue
-            # Generated content beyond the prompt counts as its deepest block.
-            depth = depth_of.get(block_hash, 0)
-            group = groups.get(depth)
-            if group is None:
-                group = groups[depth] = self._new_group((finest_class, clock, depth))
-            self._add_to_group(group, block)
-
-    def forget_cached_content(self) -> None:
-        # Every block is empty now: all go before any content cached from here on. What
-        # was learned about documents stays true and is kept.
-        self._empty_every_block()
-
-    def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
-        """The hashes of the request's full prompt blocks (not of generated tokens)."""
-        if request is None or not request.block_hashes or request.block_hasher is None:
-            return []
-        num_prompt_blocks = request.num_prompt_tokens // request.block_hasher.block_size
-        return request.block_hashes[:num_prompt_blocks]
-
-    def _note_request(self, request: Request, prompt_hashes: list[BlockHash],
-                      block_size: int) -> _Document:
-        """Count a finished request on its document; returns the document."""
-        documents = self._documents
-        root = prompt_hashes[0]
-        document = documents.get(root)
-        prompt_tokens = request.num_prompt_tokens
-        if document is None:
-            document = documents[root] = _Document(prompt_tokens, request.num_output_tokens)
-            if len(documents) > self.max_documents:
-                documents.popitem(last=False)
-        else:
-            documents.move_to_end(root)
-            document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
-            document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
-            self.model.observe_next_request(document.num_prompt_blocks,
-                                            document.prompt_tail_hashes, prompt_hashes,
-                                            block_size)
-        document.num_requests += 1
-        document.num_prompt_blocks = len(prompt_hashes)
-        document.prompt_tail_hashes = prompt_hashes[-KEPT_TAIL_HASHES:]
-        self.model.tick()
-        document.state_id = self.model.new_state(document)
-        return document

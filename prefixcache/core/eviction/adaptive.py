@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction import TwoQueueFreeBlockQueue
+from prefixcache.core.eviction.segmented import TwoQueueFreeBlockQueue
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request
 
@@ -103,6 +103,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     """``2q``'s queue with its protected share chosen online (module docstring)."""
 
     policy_name = "adaptive"
+    summary = "follows online whichever protected share would have hit most"
     shadow_entries = 512  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02

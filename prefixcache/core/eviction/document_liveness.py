@@ -1,0 +1,169 @@
+"""``document-liveness``: evicts first the blocks of the documents least likely to be asked
+about again.
+
+A *document* is the content behind the first full block of a prompt: every request whose
+prompt starts with the same block (same hash, so same tokens, salt and LoRA) asks about
+the same document. A free block holding cached content is keyed
+
+    ``logit(p) + H(release) + log r(depth)``
+
+and the lowest key is evicted first, with the estimates of
+:class:`~prefixcache.core.eviction.document_liveness_model.DocumentLivenessModel`: ``p``
+the chance that a document of its class gets another request, ``H(release)`` the clock
+when the block was released, ``r(depth)`` the share of blocks at its depth class that a
+document's next request shares. After a silence, a document's log-odds of being alive are
+``logit(p) + H(release) - H(now)``; ``H(now)`` is common to every block, so the key ranks
+free blocks by their chance of being alive and reached again.
+
+Contract:
+
+- Blocks holding nothing cached are taken first, in the order they were released.
+- The blocks one finished request releases at one depth class share a key and form a
+  group, kept in release order; among equal keys the group released first goes first.
+- After each refit of the model every free group is re-keyed with the new ``p`` and ``r``
+  (its ``H(release)`` stays).
+- A preempted request's release, or one without a request, is not a request: its blocks
+  get the key of an unknown document (``logit`` of the overall ``p``, plus ``H``), and
+  the request counts when it finishes.
+- A prefix-cache reset moves every free block to the empty blocks, in eviction order;
+  what was learned about documents is kept.
+- Memory is bounded: at most ``max_documents`` documents (least recently asked about
+  forgotten first), each with its latest prompt's last 64 block hashes, and the model's
+  bounded states. A group release or removal costs O(log groups); every refit re-keys
+  the free groups, O(groups).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction.document_liveness_model import (
+    KEPT_TAIL_HASHES,
+    DocumentHistory,
+    DocumentLivenessModel,
+    logit,
+)
+from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue, KeyGroup
+from prefixcache.core.hashing import BlockHash
+from prefixcache.core.request import Request, RequestStatus
+
+# The class of content released without a finished request to tell its document.
+UNKNOWN_CLASS = -1
+
+
+class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
+    """The ``document-liveness`` policy (module docstring): free blocks keyed by
+    ``logit(p) + H(release) + log r(depth)``, lowest evicted first; blocks holding
+    nothing cached first of all. The blocks one request releases at one depth class
+    share a key, so they form one group and a re-key costs one key per group.
+    ``max_documents`` bounds the documents remembered (least recently asked about
+    forgotten first); ``model`` is the estimator (default: a
+    :class:`DocumentLivenessModel` with its default knobs)."""
+
+    policy_name = "document-liveness"
+    summary = ("evicts first what belongs to documents least likely to be asked about "
+               "again")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 20_000,
+                 model: DocumentLivenessModel | None = None) -> None:
+        self.model = model if model is not None else DocumentLivenessModel()
+        self.max_documents = max_documents
+        self._documents: OrderedDict[BlockHash, DocumentHistory] = OrderedDict()
+        self._num_fits_keyed = 0
+        super().__init__(blocks)
+
+    def parts_for(self, block: KVCacheBlock) -> tuple[int, float, int] | None:
+        """A block released without a (finished) request: an unknown document's,
+        released now (empty blocks: None)."""
+        if block.block_hash is None:
+            return None
+        return UNKNOWN_CLASS, self.model.clock, 0
+
+    def key_of_parts(self, parts: tuple[int, float, int]) -> float:
+        """``logit(p) + H(release) + log r(depth)`` from the current estimates; parts are
+        (finest class or UNKNOWN_CLASS, H at release, depth class)."""
+        finest_class, clock, depth = parts
+        model = self.model
+        if finest_class == UNKNOWN_CLASS:
+            return logit(model.overall_p) + clock
+        return (logit(model.class_probability(finest_class)) + clock
+                + model.log_share_reached(depth))
+
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
+        prompt_hashes = self._prompt_hashes(request)
+        if not prompt_hashes or request.status is RequestStatus.PREEMPTED:
+            self.append_n(blocks)
+            return
+        model = self.model
+        block_size = request.block_hasher.block_size
+        document = self._note_request(request, prompt_hashes, block_size)
+        if model.num_fits != self._num_fits_keyed:
+            # Early estimates are poor; keys frozen at release would keep their errors.
+            self._num_fits_keyed = model.num_fits
+            self._recompute_keys()
+        finest_class = model.finest_class(document.state_id)
+        clock = model.clock
+        last = len(prompt_hashes) - 1
+        depth_of = {block_hash: model.depth_class(last - position, block_size)
+                    for position, block_hash in enumerate(prompt_hashes)}
+        groups: dict[int, KeyGroup] = {}  # by depth class
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                self._add_empty(block)
+                continue
+            # Generated content beyond the prompt counts as its deepest block.
+            depth = depth_of.get(block_hash, 0)
+            group = groups.get(depth)
+            if group is None:
+                group = groups[depth] = self._new_group((finest_class, clock, depth))
+            self._add_to_group(group, block)
+
+    def policy_state(self) -> dict:
+        """The model's overall continuation chance, the mean number of requests between
+        an alive document's requests, and :meth:`DocumentLivenessModel.class_estimates`."""
+        model = self.model
+        return {
+            "overall_continuation_probability": model.overall_p,
+            "requests_between_a_documents_requests": 1.0 / model.rate,
+            "classes": model.class_estimates(),
+        }
+
+    def forget_cached_content(self) -> None:
+        # Every block is empty now: all go before any content cached from here on. What
+        # was learned about documents stays true and is kept.
+        self._empty_every_block()
+
+    def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
+        """The hashes of the request's full prompt blocks (not of generated tokens)."""
+        if request is None or not request.block_hashes or request.block_hasher is None:
+            return []
+        num_prompt_blocks = request.num_prompt_tokens // request.block_hasher.block_size
+        return request.block_hashes[:num_prompt_blocks]
+
+    def _note_request(self, request: Request, prompt_hashes: list[BlockHash],
+                      block_size: int) -> DocumentHistory:
+        """Count a finished request on its document; returns the document."""
+        documents = self._documents
+        root = prompt_hashes[0]
+        document = documents.get(root)
+        prompt_tokens = request.num_prompt_tokens
+        if document is None:
+            document = documents[root] = DocumentHistory(prompt_tokens, request.num_output_tokens)
+            if len(documents) > self.max_documents:
+                documents.popitem(last=False)
+        else:
+            documents.move_to_end(root)
+            document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
+            document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
+            self.model.observe_next_request(document.num_prompt_blocks,
+                                            document.prompt_tail_hashes, prompt_hashes,
+                                            block_size)
+        document.num_requests += 1
+        document.num_prompt_blocks = len(prompt_hashes)
+        document.prompt_tail_hashes = prompt_hashes[-KEPT_TAIL_HASHES:]
+        self.model.tick()
+        document.state_id = self.model.new_state(document)
+        return document

@@ -1,0 +1,193 @@
+"""The engine's options, declared once: :class:`EngineArgs` (and the server's KV events
+options, :class:`KVEventsArgs`).
+
+Every way to build an engine goes through :class:`EngineArgs`: ``LLM(**kwargs)``,
+``LLMEngine.from_options(**kwargs)`` / ``from_engine_args``, ``prefixcache serve`` and
+``prefixcache generate`` (``add_cli_args`` / ``from_cli_args``). A field declares the
+option's default, help, flags (vLLM's spelling first) and check (see
+:mod:`prefixcache.engine.option_fields`), so adding an option is adding a field here.
+
+Torch-free: the commands import this to build their parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import KW_ONLY, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.arg_types import (
+    byte_size,
+    int_in_range,
+    non_negative_int,
+    positive_int,
+    size_text,
+)
+from prefixcache.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DTYPE,
+    DEFAULT_EVICTION_POLICY,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL_NAME,
+    DTYPES,
+    EVICTION_POLICIES,
+    HASH_ALGOS,
+)
+from prefixcache.engine.option_fields import (
+    DeclaredOptions,
+    is_int64,
+    is_non_negative_int,
+    is_positive_int,
+    is_str,
+    option,
+)
+
+if TYPE_CHECKING:
+    from prefixcache.model.loader import LoadedModel
+
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
+BLOCK_HASH_FORMATS = ("int64", "bytes")
+
+
+def model_path(text: str) -> str:
+    """A model path on the command line: not empty (the usual result of an unset shell
+    variable; leaving the argument out is how to ask for the default model)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path (leave it out for the default model)")
+    return text
+
+
+@dataclass(frozen=True)
+class EngineArgs(DeclaredOptions):
+    """Everything that configures an :class:`~prefixcache.engine.llm_engine.LLMEngine`,
+    checked once on construction (ValueError naming the option); frozen, so it stays
+    checked (``dataclasses.replace`` makes a checked copy).
+
+    ``model`` is None (the default SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, a
+    Hugging Face model folder, or a :class:`~prefixcache.model.loader.LoadedModel`
+    already in memory (shared, e.g., by engines compared side by side; it is not checked
+    here, the loader says what is wrong with a path). ``dtype`` None means float32, or a
+    loaded model's own weights' dtype.
+
+    The KV pool is ``num_kv_blocks`` blocks when given, else as many as fit in
+    ``kv_cache_memory_bytes``, capped at what ``max_num_seqs`` full-context sequences
+    could use. Each step computes at most ``max_num_batched_tokens`` tokens for at most
+    ``max_num_seqs`` requests. ``seed`` seeds the sampling of requests without a seed of
+    their own; ``hash_seed`` the prefix-cache block hashes (see
+    :mod:`prefixcache.core.hashing`). ``enable_kv_events`` records KV cache events for
+    ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
+    """
+
+    CLI_GROUP = "engine"
+
+    model: str | Path | LoadedModel | None = option(
+        None, "--model", parse=model_path, metavar="PATH", default_text=DEFAULT_MODEL_NAME,
+        help="Hugging Face model folder or .gguf file")
+    _: KW_ONLY
+    dtype: str | None = option(
+        None, "--dtype", choices=DTYPES, default_text=DEFAULT_DTYPE,
+        help="dtype of the weights and the KV cache")
+    block_size: int = option(
+        DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, help="tokens per KV block")
+    enable_prefix_caching: bool = option(
+        True, "--enable-prefix-caching", help="reuse cached KV blocks across requests")
+    hash_algo: str = option(
+        DEFAULT_HASH_ALGO, "--prefix-caching-hash-algo", choices=HASH_ALGOS,
+        help="hash of the KV block keys (KV events publish them): the sha256 ones resist "
+             "collisions, the xxhash ones are faster, the *_cbor ones equal vLLM's byte "
+             "for byte")
+    eviction_policy: str = option(
+        DEFAULT_EVICTION_POLICY, "--eviction-policy", choices=tuple(EVICTION_POLICIES),
+        help="which free cached block is evicted first when the KV pool needs room: "
+             f"{', '.join(EVICTION_POLICIES)}")
+    num_kv_blocks: int | None = option(
+        None, "--num-kv-blocks", "--num-gpu-blocks-override", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="N",
+        default_text="as many as --kv-cache-memory holds",
+        help="KV pool size in blocks, overriding --kv-cache-memory")
+    kv_cache_memory_bytes: int = option(
+        DEFAULT_KV_CACHE_MEMORY_BYTES, "--kv-cache-memory", "--kv-cache-memory-bytes",
+        accepts=is_positive_int, wanted="a positive integer", parse=byte_size,
+        metavar="SIZE", default_text=size_text(DEFAULT_KV_CACHE_MEMORY_BYTES),
+        help="memory for the KV pool, e.g. 512MiB; the pool never exceeds --max-num-seqs "
+             "full-context sequences")
+    max_num_seqs: int = option(
+        DEFAULT_MAX_NUM_SEQS, "--max-num-seqs", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="N",
+        help="most requests running at once; more wait in a queue")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="N",
+        help="most tokens one step computes, prompt chunks and decodes together")
+    enable_chunked_prefill: bool = option(
+        True, "--enable-chunked-prefill",
+        help="split prompts longer than a step's token budget over several steps; "
+             "without it such a prompt is refused")
+    seed: int | None = option(
+        None, "--seed", accepts=is_int64, wanted="a signed 64-bit integer",
+        parse=int_in_range(MIN_SEED, MAX_SEED),
+        default_text="none, so those sample differently each time",
+        help="seed for requests that bring no seed of their own")
+    hash_seed: str | None = option(
+        None, accepts=is_str, wanted="a string",
+        help="seed of the prefix-cache block hashes")
+    enable_kv_events: bool = option(
+        False, help="record KV cache events for LLMEngine.take_kv_events")
+
+
+@dataclass(frozen=True)
+class KVEventsArgs(DeclaredOptions):
+    """The server's KV cache events (vLLM-compatible, over ZMQ): ``AsyncLLM`` publishes
+    every engine step's events on ``kv_events_endpoint`` when it is set.
+
+    ``data_parallel_rank`` is this replica's rank among the engines behind one router:
+    stamped into every batch and applied to both endpoints (see
+    :func:`prefixcache.events.endpoint.endpoint_for_rank`)."""
+
+    CLI_GROUP = "KV cache events (vLLM-compatible ZMQ)"
+
+    kv_events_endpoint: str | None = option(
+        None, "--kv-events-endpoint", accepts=is_str, wanted="a string", metavar="E",
+        help="publish KV events on this PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    kv_events_replay_endpoint: str | None = option(
+        None, "--kv-events-replay-endpoint", accepts=is_str, wanted="a string",
+        metavar="E", help="answer replay requests on this ROUTER endpoint")
+    kv_events_topic: str = option(
+        "", "--kv-events-topic", accepts=is_str, wanted="a string", metavar="TOPIC",
+        default_text="empty",
+        help="first frame of every message, for subscribers to filter on")
+    kv_events_block_hash_format: str = option(
+        "int64", "--kv-events-block-hash-format", choices=BLOCK_HASH_FORMATS,
+        help="block hashes as vLLM's 64-bit integers (the digest's low 8 bytes, "
+             "big-endian) or as raw digests")
+    data_parallel_rank: int = option(
+        0, "--data-parallel-rank", accepts=is_non_negative_int,
+        wanted="a non-negative integer", parse=non_negative_int, metavar="R",
+        help="this replica's rank among the engines behind one router; stamped into "
+             "every KV event batch and added to the port of the KV event endpoints "
+             "(ipc/inproc paths get a _dpR suffix), so replicas on one host can be "
+             "started with the same flags")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("a KV events replay endpoint needs --kv-events-endpoint too")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_events_endpoint is not None
+
+
+def config_from(engine_args: EngineArgs, config_cls: type, **values: Any) -> Any:
+    """A narrow config (``CacheConfig``, ``SchedulerConfig``) filled from the engine
+    arguments of the same names (``values`` first): the configs restate no option."""
+    for config_field in fields(config_cls):
+        if config_field.name not in values:
+            values[config_field.name] = getattr(engine_args, config_field.name)
+    return config_cls(**values)

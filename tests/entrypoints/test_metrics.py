@@ -1,0 +1,75 @@
+"""``/metrics`` exposes every EngineStats field under its declared name, kind and help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixcache.engine.stats import EngineStats, metric_fields
+from prefixcache.entrypoints.openai.metrics import ServerMetrics
+
+# The names dashboards use: a rename is a breaking change, so they are pinned here.
+ENGINE_METRICS = {
+    "prefixcache:prefix_cache_queries": "counter",
+    "prefixcache:prefix_cache_hits": "counter",
+    "prefixcache:prefix_cache_preempted_queries": "counter",
+    "prefixcache:prefix_cache_preempted_hits": "counter",
+    "prefixcache:prompt_tokens": "counter",
+    "prefixcache:generation_tokens": "counter",
+    "prefixcache:num_preemptions": "counter",
+    "prefixcache:num_evictions": "counter",
+    "prefixcache:engine_steps": "counter",
+    "prefixcache:kv_events_published": "counter",
+    "prefixcache:kv_events_dropped": "counter",
+    "prefixcache:num_requests_running": "gauge",
+    "prefixcache:num_requests_waiting": "gauge",
+    "prefixcache:kv_cache_usage_perc": "gauge",
+    "prefixcache:num_kv_blocks": "gauge",
+}
+SERVER_METRICS = {
+    "prefixcache:time_to_first_token_seconds": "histogram",
+    "prefixcache:e2e_request_latency_seconds": "histogram",
+    "prefixcache:request_success": "counter",
+}
+
+
+def scrape(stats: EngineStats) -> dict[str, object]:
+    text = ServerMetrics(lambda: stats).render().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def test_every_stat_is_exposed_under_its_declared_name_kind_and_help():
+    # Distinct values, so a stat read from the wrong field shows.
+    stats = EngineStats(**{field.name: index + 1
+                           for index, field in enumerate(dataclasses.fields(EngineStats))})
+    families = scrape(stats)
+    # (prometheus_client adds a *_created gauge beside each histogram and labelled counter.)
+    assert {name: family.type for name, family in families.items()
+            if not name.endswith("_created")} == {**ENGINE_METRICS, **SERVER_METRICS}
+    for field_name, spec in metric_fields():
+        family = families[f"prefixcache:{spec.metric}"]
+        assert family.documentation == spec.help and spec.help.endswith(".")
+        (sample,) = [s for s in family.samples if not s.name.endswith("_created")]
+        assert sample.value == getattr(stats, field_name), field_name
+
+
+def test_the_engine_stats_keep_vllms_metric_names_where_the_field_names_differ():
+    metric_of = {name: spec.metric for name, spec in metric_fields()}
+    assert metric_of["num_running"] == "num_requests_running"
+    assert metric_of["num_waiting"] == "num_requests_waiting"
+    assert metric_of["kv_cache_usage"] == "kv_cache_usage_perc"
+    assert metric_of["num_steps"] == "engine_steps"
+
+
+def test_prefix_cache_counts_accumulate_into_the_declared_counters():
+    from prefixcache.core import PrefixCacheStats
+
+    stats = EngineStats(prefix_cache_hits=10)
+    stats.add_prefix_cache_stats(PrefixCacheStats(requests=2, queries=40, hits=8,
+                                                  preempted_requests=1, preempted_queries=5,
+                                                  preempted_hits=4))
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits,
+            stats.prefix_cache_preempted_queries, stats.prefix_cache_preempted_hits) == \
+        (40, 18, 5, 4)
+    assert stats.prefix_cache_hit_rate == 18 / 40
