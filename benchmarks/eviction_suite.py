@@ -8,11 +8,16 @@ trace it reports where the LRU->Belady gap is widest, the share of it ``adaptive
 there, the least ``adaptive - lru`` over the sweep (points), and the replay time of
 ``adaptive`` against ``lru``'s summed over the sweep.
 
-No constant of ``adaptive`` was fitted to these traces; ``--shadow-entries`` replays it
-with another shadow size to show how much that choice matters.
+Leave-one-trace-out validation of ``adaptive``'s one size constant, the number of
+entries per shadow cache (``shadow_entries``): ``adaptive`` is replayed on every trace with
+each value of ``--lofo-shadow-entries``; for each trace left out, the value with the best
+mean score on the *other* traces is chosen (score: the share of the widest gap closed,
+minus 1 for every capacity more than 0.2 points below LRU), and the left-out trace's
+figures under that value are reported (``leave_one_out``).
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick]
+        [--lofo-shadow-entries 256,512,1024]
 """
 
 from __future__ import annotations
@@ -38,11 +43,58 @@ CAPACITY_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
 
-def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str]) -> dict:
+LOFO_TOLERANCE_POINTS = 0.2
+
+
+def adaptive_figures(lru: list[float], belady: list[float], adaptive: list[float]) -> dict:
+    """At the widest LRU->Belady gap, the share ``adaptive`` closes; and its least
+    difference to LRU over the sweep, in points."""
+    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
+    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    return {
+        "fraction_of_gap_closed": round((adaptive[widest] - lru[widest]) / gaps[widest], 4)
+        if gaps[widest] > 0 else None,
+        "min_minus_lru_points": round(
+            100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
+    }
+
+
+def lofo_score(figures: dict) -> float:
+    closed = figures["fraction_of_gap_closed"] or 0.0
+    return closed - (figures["min_minus_lru_points"] < -LOFO_TOLERANCE_POINTS)
+
+
+def leave_one_out(per_value: dict[int, dict[str, dict]]) -> dict:
+    """For each trace, the shadow size best on the others, and the trace's figures under
+    it (``per_value[value][trace]`` holds :func:`adaptive_figures`)."""
+    traces = list(next(iter(per_value.values())))
+    report = {}
+    for left_out in traces:
+        others = [t for t in traces if t != left_out]
+        chosen = max(per_value, key=lambda value: sum(
+            lofo_score(per_value[value][t]) for t in others) / max(1, len(others)))
+        report[left_out] = {"chosen_shadow_entries": chosen, **per_value[chosen][left_out]}
+    return report
+
+
+def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
+             lofo_values: list[int]) -> dict:
     prepared = prepare_trace(load_trace(path), TraceExpander(512))
     working_set = len({h for hashes in prepared.block_hashes for h in hashes})
     capacities = sorted({max(1, round(f * working_set)) for f in fractions})
     result = sweep(prepared, capacities, policies)
+    adaptive_class = EVICTION_POLICIES["adaptive"]
+    default_entries = adaptive_class.shadow_entries
+    shadow_entries_to_rates = {default_entries: result.policy_to_hit_rates["adaptive"]}
+    for value in lofo_values:
+        if value not in shadow_entries_to_rates:
+            adaptive_class.shadow_entries = value
+            try:
+                shadow_entries_to_rates[value] = sweep(
+                    prepared, capacities, ["adaptive"], with_belady=False
+                ).policy_to_hit_rates["adaptive"]
+            finally:
+                adaptive_class.shadow_entries = default_entries
     rates = result.policy_to_hit_rates
     lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
     gaps = [b - a for a, b in zip(lru, belady, strict=True)]
@@ -70,6 +122,10 @@ def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str]) -> d
             100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
         "replay_seconds": {p: round(s, 2) for p, s in seconds.items()},
         "adaptive_over_lru_replay_time": round(seconds["adaptive"] / seconds["lru"], 2),
+        "adaptive_by_shadow_entries": {
+            value: {"hit_rates": [round(r, 5) for r in rates],
+                    **adaptive_figures(lru, belady, rates)}
+            for value, rates in sorted(shadow_entries_to_rates.items())},
     }
 
 
@@ -84,6 +140,8 @@ def main() -> int:
     parser.add_argument("--shadow-entries", type=int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
+    parser.add_argument("--lofo-shadow-entries", default="256,512,1024",
+                        help="shadow sizes for the leave-one-trace-out check ('' to skip)")
     args = parser.parse_args()
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
@@ -91,6 +149,7 @@ def main() -> int:
     if "lru" not in policies or "adaptive" not in policies:
         parser.error("--policies must include lru and adaptive")
     fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
+    lofo_values = [int(v) for v in args.lofo_shadow_entries.split(",") if v]
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
@@ -98,10 +157,10 @@ def main() -> int:
             with path.open("w") as handle:
                 write_trace(generate_requests(family, args.seed, args.num_requests), handle,
                             "mooncake", args.seed)
-            traces[family] = evaluate(path, fractions, policies)
+            traces[family] = evaluate(path, fractions, policies, lofo_values)
             print(f"{family}: done", file=sys.stderr)
     if args.trace.exists():
-        traces["shared"] = evaluate(args.trace, fractions, policies)
+        traces["shared"] = evaluate(args.trace, fractions, policies, lofo_values)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -117,6 +176,13 @@ def main() -> int:
                            "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
                     for name, t in traces.items()},
     }
+    if len(lofo_values) > 1:
+        output["leave_one_out"] = leave_one_out(
+            {value: {name: {k: t["adaptive_by_shadow_entries"][value][k]
+                            for k in ("fraction_of_gap_closed", "min_minus_lru_points")}
+                     for name, t in traces.items()}
+             for value in sorted({*lofo_values,
+                                  EVICTION_POLICIES["adaptive"].shadow_entries})})
     json.dump(output, sys.stdout, indent=1)
     print()
     return 0
