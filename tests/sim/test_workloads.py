@@ -133,7 +133,7 @@ def test_mixture_holds_every_family_in_shares_that_drift():
 def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
     out = tmp_path / "chat.jsonl"
     assert main(["synth", "chat", "--seed", "1", "--num-requests", "50", "-o", str(out),
-                 "--param", "mean_turns=3"]) == 0
+                 "--param", "max_turns=3"]) == 0
     assert len(load_trace(out).requests) == 50
     assert main(["replay", str(out), "--num-blocks", "100", "--block-size", "512",
                  "--quiet", "--json", str(tmp_path / "r.json")]) == 0
@@ -141,7 +141,7 @@ def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["synth", "chat", "--num-requests", "5", "--param", "nope=1"], "no parameter 'nope'"),
-    (["synth", "chat", "--num-requests", "5", "--param", "mean_turns=x"], "must be float"),
+    (["synth", "chat", "--num-requests", "5", "--param", "think_time_s=x"], "must be float"),
     (["synth", "rag", "--num-requests", "5", "--param", "num_documents=0"], "must be > 0"),
     (["synth", "chat"], "--num-requests is required"),
 ])

@@ -46,3 +46,9 @@ class ZipfChooser:
     def draw(self) -> int:
         rank = bisect.bisect_left(self.cumulative, self.rng.random() * self.cumulative[-1])
         return self.rank_to_item[min(rank, len(self.rank_to_item) - 1)]
+
+
+def pareto_count(rng: random.Random, tail_index: float, high: int) -> int:
+    """A count in [1, ``high``] with P(count >= k) = k ** -``tail_index`` (discrete
+    Pareto, truncated): mostly 1 or 2, with a long tail."""
+    return min(high, int((1.0 - rng.random()) ** (-1.0 / tail_index)))
