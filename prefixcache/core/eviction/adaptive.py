@@ -66,21 +66,22 @@ class ShadowSegmentedLRU:
         as in the real queue's release order)."""
         probation, protected, ghost = self.probation, self.protected, self.ghost
         num_hits = 0
-        for block_hash in hashes:
-            if block_hash in protected or block_hash in probation:
-                num_hits += 1
-        self.num_hits += num_hits
+        # One pass: a request's hashes are distinct, so each one's membership when it is
+        # reached is what it was before the request.
         for block_hash in reversed(hashes):
             if block_hash in protected:
                 protected.move_to_end(block_hash)
+                num_hits += 1
             elif block_hash in probation:
                 del probation[block_hash]
                 protected[block_hash] = None
+                num_hits += 1
             elif block_hash in ghost:
                 del ghost[block_hash]
                 protected[block_hash] = None
             else:
                 probation[block_hash] = None
+        self.num_hits += num_hits
         while len(protected) > self.max_protected:
             block_hash, _ = protected.popitem(last=False)
             probation[block_hash] = None
@@ -140,7 +141,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     def _observe(self, block_hashes: list[BlockHash]) -> None:
         threshold = self.sample_threshold
         sampled = [h for h in block_hashes if h[-1] < threshold] if threshold < 256 \
-            else list(block_hashes)
+            else block_hashes
         if not sampled:
             return
         shadows = self.shadows
@@ -151,9 +152,9 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             self.num_sampled_since_decay = 0
             for shadow in shadows:
                 shadow.num_hits *= 0.5
-        current = shadows[self.leader].num_hits
-        best = max(range(len(shadows)), key=lambda k: shadows[k].num_hits)
-        if best != self.leader and shadows[best].num_hits > current * (1 + self.switch_margin):
+        scores = [shadow.num_hits for shadow in shadows]
+        best = scores.index(max(scores))
+        if best != self.leader and scores[best] > scores[self.leader] * (1 + self.switch_margin):
             self.leader = best
             self._set_protected_fraction(CANDIDATE_PROTECTED_FRACTIONS[best])
 
