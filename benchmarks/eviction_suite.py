@@ -18,6 +18,11 @@ figures under that value are reported (``leave_one_out``).
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick]
         [--lofo-shadow-entries 256,512,1024]
+    python benchmarks/eviction_suite.py --combine PART.json PART.json ...
+
+``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
+be measured by separate processes; ``--combine`` then merges their outputs into one, with
+the summary and the leave-one-out check over all of them.
 """
 
 from __future__ import annotations
@@ -123,10 +128,39 @@ def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
         "replay_seconds": {p: round(s, 2) for p, s in seconds.items()},
         "adaptive_over_lru_replay_time": round(seconds["adaptive"] / seconds["lru"], 2),
         "adaptive_by_shadow_entries": {
-            value: {"hit_rates": [round(r, 5) for r in rates],
+            str(value): {"hit_rates": [round(r, 5) for r in rates],
                     **adaptive_figures(lru, belady, rates)}
             for value, rates in sorted(shadow_entries_to_rates.items())},
     }
+
+
+def add_summary(output: dict) -> None:
+    """The per-trace headline figures and, with more than one shadow size, the
+    leave-one-out check, from ``output["traces"]``."""
+    traces = output["traces"]
+    output["summary"] = {
+        name: {"adaptive_fraction_of_widest_gap_closed":
+               t["widest_gap"]["adaptive_fraction_of_gap_closed"],
+               "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
+               "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
+        for name, t in traces.items()}
+    values = sorted({*output["lofo_shadow_entries"], output["adaptive_shadow_entries"]})
+    if len(values) > 1 and len(traces) > 1:
+        output["leave_one_out"] = leave_one_out(
+            {value: {name: t["adaptive_by_shadow_entries"][str(value)]
+                     for name, t in traces.items()} for value in values})
+
+
+def combine(paths: list[Path]) -> int:
+    """Merge the traces of several outputs (same settings) and summarise them together."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    output = {key: value for key, value in parts[0].items()
+              if key not in ("traces", "summary", "leave_one_out")}
+    output["traces"] = {name: t for part in parts for name, t in part["traces"].items()}
+    add_summary(output)
+    json.dump(output, sys.stdout, indent=1)
+    print()
+    return 0
 
 
 def main() -> int:
@@ -134,15 +168,19 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES))
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
-                        help="the shared Mooncake trace (skipped if missing)")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE),
+                        help="the shared Mooncake trace ('' or missing: skipped)")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
     parser.add_argument("--shadow-entries", type=int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="PART",
+                        help="merge the outputs of earlier runs instead of measuring")
     parser.add_argument("--lofo-shadow-entries", default="256,512,1024",
                         help="shadow sizes for the leave-one-trace-out check ('' to skip)")
     args = parser.parse_args()
+    if args.combine:
+        return combine(args.combine)
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = args.policies.split(",")
@@ -152,15 +190,15 @@ def main() -> int:
     lofo_values = [int(v) for v in args.lofo_shadow_entries.split(",") if v]
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families.split(","):
+        for family in filter(None, args.families.split(",")):
             path = Path(tmp) / f"{family}.jsonl"
             with path.open("w") as handle:
                 write_trace(generate_requests(family, args.seed, args.num_requests), handle,
                             "mooncake", args.seed)
             traces[family] = evaluate(path, fractions, policies, lofo_values)
             print(f"{family}: done", file=sys.stderr)
-    if args.trace.exists():
-        traces["shared"] = evaluate(args.trace, fractions, policies, lofo_values)
+    if args.trace and Path(args.trace).exists():
+        traces["shared"] = evaluate(Path(args.trace), fractions, policies, lofo_values)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -169,20 +207,10 @@ def main() -> int:
         "seed": args.seed,
         "capacity_fractions_of_working_set": fractions,
         "adaptive_shadow_entries": EVICTION_POLICIES["adaptive"].shadow_entries,
+        "lofo_shadow_entries": lofo_values,
         "traces": traces,
-        "summary": {name: {"adaptive_fraction_of_widest_gap_closed":
-                           t["widest_gap"]["adaptive_fraction_of_gap_closed"],
-                           "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
-                           "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
-                    for name, t in traces.items()},
     }
-    if len(lofo_values) > 1:
-        output["leave_one_out"] = leave_one_out(
-            {value: {name: {k: t["adaptive_by_shadow_entries"][value][k]
-                            for k in ("fraction_of_gap_closed", "min_minus_lru_points")}
-                     for name, t in traces.items()}
-             for value in sorted({*lofo_values,
-                                  EVICTION_POLICIES["adaptive"].shadow_entries})})
+    add_summary(output)
     json.dump(output, sys.stdout, indent=1)
     print()
     return 0
