@@ -113,11 +113,11 @@ def test_stays_in_lru_order_when_recency_is_what_matters():
     assert num_hits["adaptive"] == num_hits["lru"] == 115 * 8
 
 
-@pytest.mark.parametrize("family", ["chat", "tenants"])
+@pytest.mark.parametrize("family", ["chat", "rag", "agent", "tenants", "mixture"])
 def test_never_far_below_lru_on_small_generated_traces(family, tmp_path):
     path = tmp_path / "trace.jsonl"
     with path.open("w") as handle:
-        write_trace(generate_requests(family, 7, 300), handle, "mooncake", 7)
+        write_trace(generate_requests(family, 7, 200), handle, "mooncake", 7)
     prepared = prepare_trace(load_trace(path), TraceExpander(512))
     for num_blocks in (40, 160, 640):
         lru = replay(prepared, ReplayConfig(num_blocks, "lru")).hit_rate
@@ -135,3 +135,21 @@ def test_reset_forgets_shadows_but_keeps_the_choice():
                for shadow in queue.shadows)
     assert queue.upper.num_free_blocks == 0
     assert queue.current_protected_fraction == CANDIDATE_PROTECTED_FRACTIONS[-1]
+
+
+def test_memory_stays_bounded_under_endless_new_content(monkeypatch):
+    monkeypatch.setattr(AdaptiveFreeBlockQueue, "shadow_entries", 8)
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    assert queue.sample_rate == 32 / 256  # 8 of 64 blocks' worth of hashes are sampled
+    for i in range(400):  # 400 distinct prompts of 6 full blocks: 2,400 hashes
+        run_prompt(manager, f"r{i}", [100 * i + t for t in range(25)])
+        if i % 3 == 0:  # and a prompt seen before, so something is protected
+            run_prompt(manager, f"again{i}", [100 * (i // 2) + t for t in range(25)])
+    assert len(queue.ghost) <= 2 * 64
+    for shadow in queue.shadows:
+        assert shadow.capacity == 8
+        assert len(shadow.probation) + len(shadow.protected) <= shadow.capacity
+        assert len(shadow.ghost) <= shadow.capacity
+        assert len(shadow.protected) <= shadow.max_protected
+    assert sum(shadow.num_hits for shadow in queue.shadows) > 0  # the sample saw reuse
