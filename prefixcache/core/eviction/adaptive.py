@@ -25,7 +25,8 @@ in the sample must not make it flap). It starts at fraction 0, the design's orde
 Cost: per finished request, one byte comparison per block hash and, for the sampled ones
 (``sample_rate`` of them), one ordered-dict operation per shadow. Memory: the real queue's
 ghost list (``2 * num_blocks`` hashes) plus, per shadow, at most
-``3 * sample_rate * num_blocks`` hashes (entries and ghost). A prefix-cache reset empties
+``2 * sample_rate * num_blocks`` hashes (entries and ghost; ``sample_rate * num_blocks``
+is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset empties
 the shadows as well as the queue's marks and ghost; the learned scores are kept.
 """
 
