@@ -20,6 +20,12 @@ per-request decode rate (tokens/s after the first token) percentiles, aggregate 
 throughput, and the cached tokens the server reported. The client shares the CPU with the
 server, so it is kept lean: httpx and hand-parsed server-sent events.
 
+With ``--hostile`` it measures instead what a tenant-mode server gives a well-behaved tenant
+under hostile load (``hostile_load.py``): that tenant's latency alone, then beside a
+flooding tenant, invalid requests and vanishing streams from ``--concurrency`` clients in
+all; then while a ``--huge-prompt-mb`` prompt is sent (refused before tokenizing) and while
+a prompt just under ``--max-prompt-bytes`` is tokenized on the worker pool.
+
 Example (the figures in docs/benchmarks.md)::
 
     python benchmarks/serve_load.py --num-requests 48 --concurrency 16 \\
@@ -43,6 +49,7 @@ import time
 from pathlib import Path
 
 import httpx
+from hostile_load import key_file_text, run_mixed_load, well_behaved, well_behaved_alone
 
 READY_PATTERN = re.compile(r"ready: serving \S+ at (http://127\.0\.0\.1:\d+)")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -201,11 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--startup-timeout", type=float, default=300)
+    parser.add_argument("--hostile", action="store_true",
+                        help="measure a well-behaved tenant under hostile load instead")
+    parser.add_argument("--hostile-seconds", type=float, default=30,
+                        help="--hostile: how long the mixed load runs")
+    parser.add_argument("--huge-prompt-mb", type=float, default=15,
+                        help="--hostile: size of the prompt that must not delay others")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra flag for 'prefixcache serve' (repeatable), "
                              "e.g. --server-arg=--block-size=16")
     args = parser.parse_args(argv)
 
+    if args.hostile:
+        return run_hostile(args)
     process = None
     url = args.url
     if url is None:
@@ -239,6 +254,100 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(process)
     # Failed requests are in the JSON; the exit status says whether to trust the ratios.
     return 1 if shared["num_errors"] or unique["num_errors"] else 0
+
+
+def run_hostile(args: argparse.Namespace) -> int:
+    """The ``--hostile`` measurement (see the module docstring); prints its JSON."""
+    import tempfile
+
+    max_prompt_bytes = 1024 * 1024
+    with tempfile.TemporaryDirectory() as folder:
+        keys = Path(folder) / "keys"
+        keys.write_text(key_file_text())
+        huge_bytes = int(args.huge_prompt_mb * 1024 * 1024)
+        args.server_arg += ["--api-key-file", str(keys), "--max-prompt-bytes",
+                            str(max_prompt_bytes), "--max-requests-per-tenant",
+                            str(max(args.concurrency // 4, 1)),
+                            "--max-request-body-bytes", str(huge_bytes + 1024 * 1024)]
+        process, url = start_server(args)
+        try:
+            report = asyncio.run(_hostile_phases(url, args, max_prompt_bytes, huge_bytes))
+        finally:
+            stop_server(process)
+    report["config"] = {k: getattr(args, k) for k in (
+        "model", "concurrency", "hostile_seconds", "huge_prompt_mb", "server_arg")}
+    report["cpu_count"] = os.cpu_count()
+    print(json.dumps(report, indent=2))
+    return 1 if report["mixed_load"]["server_errors"] else 0
+
+
+async def _hostile_phases(url: str, args: argparse.Namespace, max_prompt_bytes: int,
+                          huge_bytes: int) -> dict:
+    model = "bench"
+    num_good = max(args.concurrency // 4, 1)
+    alone = await well_behaved_alone(url, model, 8, num_good)
+    mixed = await run_mixed_load(url, model, args.hostile_seconds, args.concurrency,
+                                 max_prompt_bytes)
+    huge = await _beside_one_prompt(url, model, "word " * (huge_bytes // 5), num_good)
+    near_limit = await _beside_one_prompt(url, model, "word " * (max_prompt_bytes // 5 - 1),
+                                          num_good)
+
+    def latencies(report: object) -> dict:
+        return percentiles(report.well_behaved_latencies_s)
+
+    reference = latencies(alone)
+    return {
+        "well_behaved_alone_s": reference,
+        "mixed_load": {
+            "well_behaved_s": latencies(mixed),
+            "p99_vs_alone": ratio(latencies(mixed).get("p99"), reference.get("p99")),
+            "well_behaved_failures": len(mixed.well_behaved_failures),
+            "server_errors": mixed.server_errors,
+            "status_counts": dict(sorted(mixed.status_counts.items())),
+        },
+        f"beside_{args.huge_prompt_mb:g}MB_prompt": huge,
+        "beside_prompt_at_limit": near_limit,
+    }
+
+
+async def _beside_one_prompt(url: str, model: str, prompt: str, num_good: int) -> dict:
+    """The well-behaved tenant's latencies while one client sends ``prompt``."""
+    from hostile_load import KEYS, LoadReport
+
+    report = LoadReport()
+    health_latencies_s: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def probe_health(until: asyncio.Future) -> None:
+            # The event loop's responsiveness: /health does no work of its own.
+            while not until.done():
+                sent = time.monotonic()
+                await client.get("/health")
+                health_latencies_s.append(time.monotonic() - sent)
+                await asyncio.sleep(0.05)
+
+        idle = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(2.0, idle.set_result, None)
+        await probe_health(idle)
+        idle_health = percentiles(health_latencies_s)
+        health_latencies_s.clear()
+        start = time.monotonic()
+        big = asyncio.ensure_future(client.post(
+            "/v1/completions", headers={"Authorization": f"Bearer {KEYS['carol']}"},
+            json={"model": model, "prompt": prompt, "max_tokens": 1}))
+        prober = asyncio.ensure_future(probe_health(big))
+        while not big.done():
+            await asyncio.gather(*(well_behaved(client, model, float("inf"), report, i,
+                                                max_requests=1) for i in range(num_good)))
+        response = await big
+        await prober
+    return {"prompt_bytes": len(prompt), "status": response.status_code,
+            "answered_after_s": round(time.monotonic() - start, 3),
+            "health_idle_s": idle_health,
+            "health_meanwhile_s": {**percentiles(health_latencies_s),
+                                   "max": round(max(health_latencies_s, default=0), 4)},
+            "well_behaved_s": percentiles(report.well_behaved_latencies_s),
+            "well_behaved_failures": len(report.well_behaved_failures)}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

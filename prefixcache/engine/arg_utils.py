@@ -37,6 +37,7 @@ from prefixcache.config import (
     EVICTION_POLICIES,
     HASH_ALGOS,
 )
+from prefixcache.core.eviction import describe_eviction_policies
 from prefixcache.engine.option_fields import (
     DeclaredOptions,
     is_int64,
@@ -105,7 +106,7 @@ class EngineArgs(DeclaredOptions):
     eviction_policy: str = option(
         DEFAULT_EVICTION_POLICY, "--eviction-policy", choices=tuple(EVICTION_POLICIES),
         help="which free cached block is evicted first when the KV pool needs room: "
-             f"{', '.join(EVICTION_POLICIES)}")
+             f"{describe_eviction_policies()} (see docs/eviction-policies.md)")
     num_kv_blocks: int | None = option(
         None, "--num-kv-blocks", "--num-gpu-blocks-override", accepts=is_positive_int,
         wanted="a positive integer", parse=positive_int, metavar="N",

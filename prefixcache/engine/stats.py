@@ -94,14 +94,17 @@ class EngineStats:
                         getattr(self, name) + getattr(prefix_cache_stats, spec.prefix_cache))
 
 
-def metric_fields() -> list[tuple[str, Stat]]:
-    """``(field name, Stat with its metric name resolved)`` for every stat, in
-    declaration order."""
+def metric_fields(stats_cls: type = EngineStats) -> list[tuple[str, Stat]]:
+    """``(field name, Stat with its metric name resolved)`` for every stat of
+    ``stats_cls`` (a dataclass of :func:`stat` fields, :class:`EngineStats` unless
+    another is named), in declaration order."""
     return [(stat_field.name, Stat(spec.kind, spec.metric or stat_field.name, spec.help,
                                    spec.prefix_cache))
-            for stat_field, spec in _STAT_FIELDS]
+            for stat_field, spec in _stat_fields(stats_cls)]
 
 
-_STAT_FIELDS: list[tuple[Field, Stat]] = [
-    (f, f.metadata[STAT]) for f in fields(EngineStats)
-]
+def _stat_fields(stats_cls: type) -> list[tuple[Field, Stat]]:
+    return [(f, f.metadata[STAT]) for f in fields(stats_cls) if STAT in f.metadata]
+
+
+_STAT_FIELDS = _stat_fields(EngineStats)

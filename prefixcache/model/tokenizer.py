@@ -56,8 +56,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS).
-        Special-token text such as `<|im_start|>` always maps to its single id."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        Special-token text such as `<|im_start|>` always maps to its single id.
+
+        Releases the GIL while it tokenizes, so a long text encoded in a worker thread
+        does not stop the caller's other threads (the server's event loop)."""
+        # `encode_batch` releases the GIL where `encode` holds it; the ids are the same.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shutil
 import socket
 import time
@@ -28,6 +29,7 @@ from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.entrypoints.cli import build_parser, main
 from prefixcache.entrypoints.openai.listen import listen_sockets
+from prefixcache.entrypoints.openai.server_args import ServerArgs
 from tests.entrypoints.conftest import MODEL_NAME, ServerProcess, assert_clean_exit
 from tests.processes import free_loopback_ports
 
@@ -51,6 +53,42 @@ def test_flags_map_to_engine_args_in_vllm_spelling():
     # No flag: the engine's own defaults, exactly as the Python API has them.
     assert EngineArgs.from_cli_args(build_parser().parse_args(["serve"])) == EngineArgs()
     assert EngineArgs().eviction_policy == DEFAULT_EVICTION_POLICY == "lru"
+
+
+def test_server_flags_map_to_server_args():
+    args = build_parser().parse_args([
+        "serve", "--host", "0.0.0.0", "--port", "0", "--served-model-name", "a", "b",
+        "--api-key", "k", "--log-level", "debug", "--uvicorn-log-level", "info",
+        "--max-request-body-bytes", "1MiB", "--request-head-timeout", "2.5",
+        "--max-requests-per-tenant", "3", "--shutdown-timeout", "0"])
+    assert ServerArgs.from_cli_args(args) == ServerArgs(
+        host="0.0.0.0", port=0, served_model_name=["a", "b"], api_key="k",
+        log_level="debug", uvicorn_log_level="info", max_request_body_bytes=1 << 20,
+        request_head_timeout=2.5, max_requests_per_tenant=3, shutdown_timeout=0.0)
+    # No flag: the defaults the Python API has; every option is a flag of serve.
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["serve"])) == ServerArgs()
+    serve_dests = {action.dest for action in serve_parser()._actions}
+    assert {option.name for option in dataclasses.fields(ServerArgs)} <= serve_dests
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"port": 70000}, "port must be a port in 0..65535, got 70000"),
+    ({"max_json_depth": True}, "max_json_depth must be a positive integer, got True"),
+    ({"max_requests_per_tenant": 0},
+     "max_requests_per_tenant must be a positive integer or None, got 0"),
+    ({"request_body_timeout": 0}, "request_body_timeout must be a finite number > 0, got 0"),
+    ({"shutdown_timeout": float("inf")},
+     "shutdown_timeout must be a finite number >= 0, got inf"),
+    ({"log_level": "loud"}, "log_level must be one of debug, info, warning, error, got 'loud'"),
+    ({"served_model_name": ["ok", " "]}, "served_model_name must be a list of non-blank names"),
+    ({"admin_api_key": " "}, "admin_api_key must be a non-blank key or None, got ' '"),
+    ({"api_key": "k", "api_key_file": "keys.txt"}, "use either --api-key"),
+    ({"admin_api_key": "a", "admin_api_key_file": "f"}, "use either --admin-api-key"),
+])
+def test_server_args_refuse_bad_values_naming_the_option(values, message):
+    with pytest.raises(ValueError) as excinfo:
+        ServerArgs(**values)
+    assert str(excinfo.value).startswith(message)
 
 
 def test_eviction_policy_flag_reaches_the_engines_block_pool(tiny_model_dir):

@@ -1,13 +1,21 @@
-"""The FastAPI application: routes, authentication, body limits and error mapping.
+"""The FastAPI application: routes, authentication, limits and error mapping.
 
 Every route answers errors with OpenAI's error JSON (see ``errors``). Order of checks on a
-generation request: body size (413) -> API key (401) -> JSON and fields (400) -> model name
-(404) -> lengths against the model (400) -> the engine (400 if it refuses).
+generation request: the head's size and arrival time (431, 408: ``http_protocol``) ->
+target length, header count, body size (414, 431, 413: ``limits``) -> API key (401) ->
+body arrival time (408) -> JSON nesting depth, JSON and fields (400) -> tenant (403 for
+the operator key) -> prompt text size (400) -> admission (429 past the tenant's limit,
+503 while draining: ``admission``) -> model name (404) -> lengths against the model (400)
+-> the engine (400 if it refuses).
 
 ``/health`` and ``/metrics`` need no key (probes and scrapers); everything else does when
-keys are configured. ``POST /reset_prefix_cache`` takes optional query flags ``wait`` and
-``abort_running`` (``true``/``false``) with AsyncLLM's meanings and answers
-``{"success": bool}``.
+keys are configured. ``POST /reset_prefix_cache`` is an operator endpoint (403 for others,
+see ``tenancy``'s roles); it takes optional query flags ``wait`` and ``abort_running``
+(``true``/``false``) with AsyncLLM's meanings and answers ``{"success": bool}``.
+
+A client that disconnects before its body has arrived is logged as one DEBUG line (no
+traceback) and answered with nothing. While the server drains (``--shutdown-timeout``),
+``/health`` answers 503 so load balancers stop sending requests.
 
 Once the engine has stopped (the server is shutting down, see ``uvicorn_server``, or the
 engine failed), whatever needs it answers 503 ``engine_unavailable``: a request in flight
@@ -27,17 +35,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine.async_llm import AsyncLLM
 from prefixcache.engine.errors import EngineDeadError
+from prefixcache.entrypoints.openai.admission import Admission, TenantStats
 from prefixcache.entrypoints.openai.errors import (
     APIError,
     bad_request,
     error_body,
-    error_json,
     error_response,
     from_validation_error,
+)
+from prefixcache.entrypoints.openai.limits import (
+    STATUS_TO_CODE,
+    EdgeLimitsMiddleware,
+    check_json_depth,
+    check_prompt_bytes,
 )
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.entrypoints.openai.protocol import (
@@ -46,68 +61,20 @@ from prefixcache.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from prefixcache.entrypoints.openai.server_args import ServerArgs
 from prefixcache.entrypoints.openai.serving import EventStream, ModelInfo, OpenAIServing
-from prefixcache.entrypoints.openai.tenancy import Authenticator, AuthError, Principal
+from prefixcache.entrypoints.openai.tenancy import (
+    Authenticator,
+    AuthError,
+    ForbiddenError,
+    Principal,
+)
+from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Status logged (never sent: nobody is listening) when a client left before its answer.
 CLIENT_CLOSED_REQUEST = 499
-
-
-class BodyTooLarge(StarletteHTTPException):
-    def __init__(self, max_body_bytes: int) -> None:
-        super().__init__(413, f"request body larger than {max_body_bytes} bytes")
-
-
-class BodySizeLimitMiddleware:
-    """Refuses bodies over ``max_body_bytes`` with 413: at once when ``Content-Length``
-    says so, otherwise as soon as the streamed body passes the limit (chunked uploads),
-    so an oversized body is never buffered whole."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.max_body_bytes
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_large = int(value) > limit
-                except ValueError:
-                    too_large = False  # the server rejects a malformed header itself
-                if too_large:
-                    await _send_json(send, 413, _too_large_body(limit))
-                    return
-        num_received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal num_received
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > limit:
-                    raise BodyTooLarge(limit)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-def _too_large_body(limit: int) -> dict[str, Any]:
-    return error_body(413, f"request body larger than {limit} bytes", code="body_too_large")
-
-
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    payload = error_json(body).encode("utf-8")
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode("ascii"))]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -130,8 +97,10 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _parse_body(raw_request: Request, model_cls: type[BaseModel]) -> Any:
+async def _parse_body(raw_request: Request, model_cls: type[BaseModel],
+                      max_json_depth: int) -> Any:
     body = await raw_request.body()
+    check_json_depth(body, max_json_depth)
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -190,14 +159,23 @@ async def _unless_client_leaves(raw_request: Request, work: Any) -> Any:
 
 def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
               authenticator: Authenticator | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The server's ASGI app over a running AsyncLLM (which the caller shuts down)."""
+              server_args: ServerArgs | None = None) -> FastAPI:
+    """The server's ASGI app over a running AsyncLLM (which the caller shuts down).
+
+    ``app.state.admission`` is its admission gate (the shutdown drains it) and
+    ``app.state.tokenizer_pool`` its worker pool (the caller may shut it down)."""
     authenticator = authenticator or Authenticator()
+    server_args = server_args or ServerArgs()
     metrics = ServerMetrics(llm.get_stats)
-    serving = OpenAIServing(llm, tokenizer, model_info, metrics)
+    admission = Admission(authenticator.tenants, server_args.max_requests_per_tenant)
+    metrics.add_stats(TenantStats, lambda: admission.tenant_to_stats, label="tenant")
+    tokenizer_pool = TokenizerPool(server_args.tokenizer_pool_size)
+    serving = OpenAIServing(llm, tokenizer, model_info, metrics, tokenizer_pool)
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.admission = admission
+    app.state.tokenizer_pool = tokenizer_pool
 
     def authenticate(raw_request: Request) -> Principal:
         try:
@@ -205,9 +183,22 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
         except AuthError as exc:
             raise APIError(401, str(exc), code="invalid_api_key") from exc
 
+    def check_operator(principal: Principal) -> None:
+        try:
+            authenticator.check_operator(principal)
+        except ForbiddenError as exc:
+            raise APIError(403, str(exc), code="permission_denied") from exc
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
-        return error_response(exc.status, exc.to_body())
+        return error_response(exc.status, exc.to_body(), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(raw_request: Request, _: ClientDisconnect) -> Response:
+        # Client-caused, not a server fault: one quiet line, and nobody to answer.
+        logger.debug("client disconnected before sending its whole request: %s %s",
+                     raw_request.method, raw_request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> Response:
@@ -216,7 +207,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        code = "body_too_large" if exc.status_code == 413 else None
+        code = STATUS_TO_CODE.get(exc.status_code)
         return error_response(exc.status_code,
                               error_body(exc.status_code, str(exc.detail), code=code),
                               headers=exc.headers)
@@ -229,16 +220,31 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     async def generate(raw_request: Request, request_cls: type[BaseModel],
                        create: Any) -> Response:
         principal = authenticate(raw_request)
-        request = await _parse_body(raw_request, request_cls)
+        request = await _parse_body(raw_request, request_cls, server_args.max_json_depth)
         try:
             cache_salt = authenticator.engine_cache_salt(principal, request.cache_salt)
-        except AuthError as exc:
-            raise APIError(401, str(exc), code="invalid_api_key") from exc
-        result = await _unless_client_leaves(raw_request, create(request, cache_salt))
+        except ForbiddenError as exc:
+            raise APIError(403, str(exc), code="permission_denied") from exc
+        check_prompt_bytes(request, server_args.max_prompt_bytes)
+        num_prompts = len(request.prompts()) if isinstance(request, CompletionRequest) else 1
+        ticket = admission.admit(principal.tenant, num_prompts * request.n)
+        try:
+            result = await _unless_client_leaves(raw_request, create(request, cache_salt))
+        except BaseException:
+            ticket.release()
+            raise
         if result is None:
+            ticket.release()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if isinstance(result, EventStream):
-            return _ClosingStreamingResponse(result)
+            def close() -> None:
+                try:
+                    result.close()
+                finally:
+                    ticket.release()
+
+            return _ClosingStreamingResponse(EventStream(result.events, close))
+        ticket.release()
         return Response(result.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")
@@ -261,6 +267,8 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
 
     @app.get("/health")
     async def health() -> Response:
+        if admission.is_draining:
+            return error_response(503, error_body(503, "the server is shutting down"))
         if llm.is_healthy:
             return Response(status_code=200)
         return error_response(503, error_body(503, "the engine is not running"))
@@ -271,11 +279,11 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw_request: Request) -> JSONResponse:
-        authenticate(raw_request)
+        check_operator(authenticate(raw_request))
         wait = _query_flag(raw_request, "wait")
         abort_running = _query_flag(raw_request, "abort_running")
         success = await llm.reset_prefix_cache(wait=wait, abort_running=abort_running)
         return JSONResponse({"success": success})
 
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(EdgeLimitsMiddleware, server_args=server_args)
     return app

@@ -14,13 +14,19 @@ only the prefix changed. Two sources:
   ``prefixcache:e2e_request_latency_seconds`` (histograms, arrival -> first token and ->
   finished) and ``prefixcache:request_success_total{finished_reason}``.
 
+Other stats declared the same way (fields made with
+:func:`~prefixcache.engine.stats.stat`) are added with :meth:`ServerMetrics.add_stats`,
+labelled: the per-tenant admission figures
+(:class:`~prefixcache.entrypoints.openai.admission.TenantStats`,
+``prefixcache:tenant_num_requests{tenant}``, ...).
+
 Each server has its own registry, so several servers in one process (tests) never share
 or clash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,18 +47,31 @@ E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class _EngineCollector(Collector):
-    """Reads the engine's stats snapshot at scrape time: one metric per stat field."""
+class _StatsCollector(Collector):
+    """One metric per stat field of ``stats_cls`` (declared with
+    :func:`~prefixcache.engine.stats.stat`), read at scrape time. Without ``label``,
+    ``read`` returns one snapshot; with it, a map from the label's values to snapshots,
+    one series each."""
 
-    def __init__(self, read: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats_cls: type, read: Callable[[], Any],
+                 label: str | None = None) -> None:
         self._read = read
-        self._metric_fields = metric_fields()
+        self._label = label
+        self._metric_fields = metric_fields(stats_cls)
 
     def collect(self) -> Iterator[Any]:
-        stats = self._read()
+        snapshot = self._read()
+        if self._label is None:
+            labels, label_values_to_snapshot = [], {(): snapshot}
+        else:
+            labels = [self._label]
+            label_values_to_snapshot = {(value,): stats for value, stats in snapshot.items()}
         for name, spec in self._metric_fields:
-            family = CounterMetricFamily if spec.kind == COUNTER else GaugeMetricFamily
-            yield family(PREFIX + spec.metric, spec.help, value=getattr(stats, name))
+            family_cls = CounterMetricFamily if spec.kind == COUNTER else GaugeMetricFamily
+            family = family_cls(PREFIX + spec.metric, spec.help, labels=labels)
+            for label_values, stats in label_values_to_snapshot.items():
+                family.add_metric(label_values, getattr(stats, name))
+            yield family
 
 
 class ServerMetrics:
@@ -61,7 +80,7 @@ class ServerMetrics:
 
     def __init__(self, read_engine: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(read_engine))
+        self.registry.register(_StatsCollector(EngineStats, read_engine))
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -75,6 +94,12 @@ class ServerMetrics:
             labelnames=("finished_reason",), registry=self.registry)
         for reason in FINISH_REASONS:  # present from the start, so rates work at zero
             self.request_success.labels(finished_reason=reason)
+
+    def add_stats(self, stats_cls: type, read: Callable[[], Mapping[str, Any]],
+                  label: str) -> None:
+        """Expose the stat fields of ``stats_cls`` with one series per value of ``label``:
+        ``read`` returns a map from the label's values to snapshots (a bounded set)."""
+        self.registry.register(_StatsCollector(stats_cls, read, label))
 
     def observe_first_token(self, time_to_first_token_s: float) -> None:
         """Record the first token of one engine request, whether or not it finishes."""

@@ -14,6 +14,7 @@ it is about rather than the internal request id.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from prefixcache.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
+from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -112,11 +114,13 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
+        # Large prompts are tokenized off the event loop (see worker_pool).
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -124,7 +128,7 @@ class OpenAIServing:
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
         model = self._check_model(request.model)
-        prompts_token_ids = [self._encode_prompt(p) for p in request.prompts()]
+        prompts_token_ids = [await self._encode_prompt(p) for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
                                         "cmpl", model, arrival_time)
@@ -143,7 +147,7 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
         model = self._check_model(request.model)
-        prompt_token_ids = self._render_chat(request)
+        prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
@@ -171,20 +175,23 @@ class OpenAIServing:
                            f"serves {', '.join(names)}", param="model", code="model_not_found")
         return requested
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        token_ids = self.tokenizer.encode(prompt)
+        token_ids = await self.tokenizer_pool.run(len(prompt), self.tokenizer.encode, prompt)
         if not token_ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         return token_ids
 
-    def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
+    async def _render_chat(self, request: ChatCompletionRequest) -> list[int]:
         import jinja2
 
+        messages = request.chat_messages()
+        num_chars = sum(len(message["content"]) for message in messages)
         try:
-            token_ids = self.tokenizer.apply_chat_template(
-                request.chat_messages(), add_generation_prompt=True, tokenize=True)
+            token_ids = await self.tokenizer_pool.run(
+                num_chars, functools.partial(self.tokenizer.apply_chat_template, messages,
+                                             add_generation_prompt=True, tokenize=True))
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(f"cannot apply the chat template: {exc}",
                               param="messages") from exc

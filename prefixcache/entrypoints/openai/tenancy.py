@@ -14,6 +14,17 @@ Two modes, chosen when the server starts:
   the same tenant *and* carry the same client salt (or both none). Whatever salt a client
   sends, it cannot land in another tenant's partition, so it cannot probe another tenant's
   prompts by timing.
+
+**Roles.** A tenant (or shared) key may generate; operator endpoints
+(``/reset_prefix_cache`` and any later one that acts on every tenant's requests) need the
+operator role, checked by :meth:`Authenticator.check_operator`:
+
+* with ``--admin-api-key`` (or ``--admin-api-key-file``), only that key has it, in either
+  mode. In open mode it may also generate; in tenant mode it names no tenant, so it may
+  not (403): a tenant's requests are sent with a tenant's key;
+* without an admin key, in open mode every accepted caller has it (as before roles
+  existed); in tenant mode nobody has (403), since any tenant could otherwise abort or
+  stall every other tenant's requests.
 """
 
 from __future__ import annotations
@@ -72,14 +83,21 @@ class AuthError(Exception):
     """The request's credentials are missing or unknown (HTTP 401)."""
 
 
+class ForbiddenError(Exception):
+    """The caller is known but may not do this (HTTP 403)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """The authenticated caller: ``tenant`` is None in open mode."""
+    """The authenticated caller: ``tenant`` is None in open mode and for the operator
+    key; ``is_operator`` when it presented the admin key."""
 
     tenant: str | None
+    is_operator: bool = False
 
 
 _OPEN = Principal(tenant=None)
+_OPERATOR = Principal(tenant=None, is_operator=True)
 
 
 def _key_digest(key: str) -> bytes:
@@ -93,16 +111,28 @@ class Authenticator:
 
     ``key_to_tenant`` non-empty means tenant mode; ``shared_key`` (``--api-key``) requires
     that one key without naming a tenant. With neither, every request is accepted.
+    ``admin_key`` is the operator key (see the module docstring's roles); it must differ
+    from every other key.
     """
 
     def __init__(self, key_to_tenant: dict[str, str] | None = None,
-                 shared_key: str | None = None) -> None:
+                 shared_key: str | None = None, admin_key: str | None = None) -> None:
         if key_to_tenant and shared_key is not None:
             raise ValueError("use either an API key file (tenants) or one shared API key")
         self._digest_to_tenant = {
             _key_digest(key): tenant for key, tenant in (key_to_tenant or {}).items()
         }
         self._shared_digest = None if shared_key is None else _key_digest(shared_key)
+        self._admin_digest = None if admin_key is None else _key_digest(admin_key)
+        if self._admin_digest is not None and (
+                self._admin_digest == self._shared_digest
+                or self._admin_digest in self._digest_to_tenant):
+            raise ValueError("the admin API key must differ from every other API key")
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """Every tenant of the key file, each once, sorted."""
+        return tuple(sorted(set(self._digest_to_tenant.values())))
 
     @property
     def has_tenants(self) -> bool:
@@ -113,9 +143,12 @@ class Authenticator:
         return self.has_tenants or self._shared_digest is not None
 
     def authenticate(self, authorization: str | None) -> Principal:
+        key = _bearer_token(authorization)
+        if self._admin_digest is not None and key is not None \
+                and _key_digest(key) == self._admin_digest:
+            return _OPERATOR
         if not self.requires_key:
             return _OPEN
-        key = _bearer_token(authorization)
         if key is None:
             raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
         digest = _key_digest(key)
@@ -132,9 +165,20 @@ class Authenticator:
         """The salt to hand the engine (see the module docstring for the two modes)."""
         if not self.has_tenants:
             return client_salt
-        if principal.tenant is None:  # unreachable: tenant mode authenticates every request
-            raise AuthError("tenant mode requires an authenticated tenant")
+        if principal.tenant is None:  # the operator key: it names no tenant
+            raise ForbiddenError("the admin API key names no tenant; send requests with "
+                                 "a tenant's API key")
         return tenant_cache_salt(principal.tenant, client_salt)
+
+    def check_operator(self, principal: Principal) -> None:
+        """Raise ForbiddenError unless ``principal`` may call operator endpoints (see the
+        module docstring's roles)."""
+        if self._admin_digest is not None:
+            if not principal.is_operator:
+                raise ForbiddenError("this endpoint needs the admin API key")
+        elif self.has_tenants:
+            raise ForbiddenError("this endpoint needs the admin API key, and the server "
+                                 "has none (--admin-api-key)")
 
 
 def _bearer_token(authorization: str | None) -> str | None:
@@ -180,3 +224,21 @@ def load_api_key_file(path: str | Path) -> dict[str, str]:
     if not key_to_tenant:
         raise ValueError(f"the API key file {path} holds no API keys")
     return key_to_tenant
+
+
+def load_admin_api_key_file(path: str | Path) -> str:
+    """The operator key: the first line of ``path`` that is neither blank nor a ``#``
+    comment, stripped. Raises ValueError naming the file when it cannot be read or holds
+    no key."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the admin API key file {path}: "
+                         f"{os_error_reason(exc)}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the admin API key file {path} is not UTF-8 text") from exc
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            return stripped
+    raise ValueError(f"the admin API key file {path} holds no key")
