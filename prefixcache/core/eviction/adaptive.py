@@ -13,7 +13,7 @@ and lose when what matters is recency (a conversation's newest turn).
 
 Which fraction holds is decided by *shadow caches*, one per candidate: hash-only segmented
 LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries fed with the hashes, among
-each finished request's block hashes, whose last byte falls under ``sample_rate`` (spatial
+each finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
 sampling: a hash is always in or always out, so the shadows see a consistent miniature of
 the traffic). A shadow counts a hit for a sampled hash it holds when the request comes
 back. Every shadow's hit count decays by half each time the shadows have seen
@@ -163,6 +163,13 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         super().forget_cached_content()
         for shadow in self.shadows:
             shadow.forget()
+
+    def policy_state(self) -> dict:
+        """The protected share followed, and every candidate's decayed shadow hits."""
+        return {"protected_fraction": self.current_protected_fraction,
+                "sample_rate": self.sample_rate,
+                "candidate_shadow_hits": {str(fraction): round(hits, 3) for fraction, hits
+                                          in self.candidate_scores().items()}}
 
     def candidate_scores(self) -> dict[float, float]:
         """Each candidate protected fraction's decayed shadow hit count."""
