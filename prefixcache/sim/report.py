@@ -49,9 +49,23 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     state = result.policy_state
     if state is not None:
-        text += "\n\n" + (format_document_liveness(state) if "classes" in state
-                           else format_learned_reuse(state))
+        if "classes" in state:
+            text += "\n\n" + format_document_liveness(state)
+        elif "candidate_shadow_hits" in state:
+            text += "\n\n" + format_adaptive(state)
+        else:
+            text += "\n\n" + format_learned_reuse(state)
     return text
+
+
+def format_adaptive(state: dict) -> str:
+    """adaptive's choice: the protected share it follows at the end, and each candidate
+    share's decayed hits in its shadow cache."""
+    hits = ", ".join(f"{float(share):.0%}: {num_hits:,.1f}"
+                     for share, num_hits in state["candidate_shadow_hits"].items())
+    return (f"adaptive: protected share {state['protected_fraction']:.0%} at the end; "
+            f"shadow hits (decayed, {state['sample_rate']:.1%} of hashes sampled) "
+            f"by share: {hits}")
 
 
 def format_learned_reuse(state: dict) -> str:
