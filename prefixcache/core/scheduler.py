@@ -12,7 +12,10 @@ One idea covers prefill, chunked prefill, decode and cache hits alike: every req
    recomputed, usually hitting its own cached blocks.
 2. Then, if nothing was preempted, waiting requests in arrival order while
    ``max_num_seqs`` and the budget allow. A cache hit counts as already computed, so only
-   the uncached tokens spend budget.
+   the uncached tokens spend budget. With ``max_loras`` set, a request whose LoRA adapter
+   would be one more than ``max_loras`` distinct adapters among the running requests is
+   skipped (it keeps its place and waits for one of them to finish); the requests behind
+   it may still be admitted.
 
 No request waits forever. A request whose tokens (prompt plus outputs) need more blocks
 than the whole pool can never sample another token: wherever it is, it is finished with
@@ -20,6 +23,11 @@ than the whole pool can never sample another token: wherever it is, it is finish
 the same wall). Every other request fits the pool on its own, so the oldest running
 request always advances (preemption takes from the newest end), and once nothing runs,
 the head of the queue is always admitted.
+
+With an external prefix source (a second KV tier, :mod:`prefixcache.core.external_prefix`),
+a waiting request's blocks past its local hit are looked up there too; the ones it holds
+are allocated like computed tokens and handed to the worker to fill
+(``ScheduledRequest.external_blocks``) before the step runs, so they cost no budget.
 
 Scheduled tokens count as computed as soon as they are scheduled (the model runs them in
 this step), so the scheduler's state is consistent before the step's results come back.
@@ -34,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prefixcache.core.arithmetic import cdiv
+from prefixcache.core.external_prefix import ExternalBlock, ExternalPrefixSource
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 
@@ -52,6 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None  # distinct LoRA adapters running at once; None: no limit
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -60,13 +70,18 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 or None, got {self.max_loras}")
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's work in a step: compute ``num_new_tokens`` tokens starting at
     ``start_position`` into the blocks of ``block_ids``. ``needs_logits`` is True when the
-    chunk ends at the request's last known token, so a token is sampled from it."""
+    chunk ends at the request's last known token, so a token is sampled from it. On the
+    step that admits it, ``num_hit_tokens`` came from the block pool and
+    ``num_external_tokens`` from an external source, whose ``external_blocks`` the worker
+    fills before computing."""
 
     request: Request
     num_new_tokens: int
@@ -74,6 +89,8 @@ class ScheduledRequest:
     block_ids: list[int]
     needs_logits: bool
     num_hit_tokens: int = 0  # set on the step that admits the request
+    num_external_tokens: int = 0
+    external_blocks: list[ExternalBlock] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -94,11 +111,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching over one :class:`KVCacheManager`."""
+    """Continuous batching over one :class:`KVCacheManager`, and optionally an
+    ``external_prefix_source`` behind it (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 external_prefix_source: ExternalPrefixSource | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.external_prefix_source = external_prefix_source
+        # The last external load: (request, its local hit blocks, payloads). The head of
+        # the queue may wait several steps for room; it is not loaded again meanwhile.
+        self._external_load: tuple[Request, int, list] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -152,6 +175,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        if self._external_load is not None and self._external_load[0] is request:
+            self._external_load = None
         return request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -206,15 +231,27 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt (no room for newcomers).
         if not output.preempted_request_ids:
             can_split_prompts = self.config.enable_chunked_prefill
+            max_loras = self.config.max_loras
+            running_loras = {r.lora_name for r in self.running if r.lora_name is not None}
+            # Requests passed over for their adapter, put back in front afterwards in order.
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                lora_name = request.lora_name
+                if max_loras is not None and lora_name is not None \
+                        and lora_name not in running_loras and len(running_loras) >= max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if request.num_tokens > num_pool_slots:
                     # A victim preempted while it had outgrown the pool, before its turn in
                     # the running loop came.
                     self._finish_outgrown(request, output)
                     continue
                 hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_hit_tokens
+                external_payloads = self._load_external_prefix(request, len(hit_blocks)) \
+                    if self.external_prefix_source is not None else ()
+                num_external_tokens = len(external_payloads) * manager.block_size
+                num_new_tokens = request.num_tokens - num_hit_tokens - num_external_tokens
                 if num_new_tokens > budget:
                     # A prompt that is not split fits an empty step (add_request checks it).
                     # A preempted request's prompt plus outputs may not, and its cached
@@ -222,19 +259,56 @@ class Scheduler:
                     if not can_split_prompts and request.status != RequestStatus.PREEMPTED:
                         break
                     num_new_tokens = budget
-                if manager.allocate_slots(request, num_new_tokens, num_hit_tokens,
-                                          hit_blocks) is None:
+                # External blocks take fresh blocks, like tokens computed now.
+                if manager.allocate_slots(request, num_external_tokens + num_new_tokens,
+                                          num_hit_tokens, hit_blocks) is None:
                     # Only running requests hold blocks, and this one fits the pool: it
                     # is admitted once they have finished or been preempted.
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit_tokens
+                request.num_computed_tokens = num_hit_tokens + num_external_tokens
                 self.running.append(request)
                 scheduled = self._schedule(request, num_new_tokens, output)
                 scheduled.num_hit_tokens = num_hit_tokens
+                if external_payloads:
+                    self._external_load = None
+                    first = len(hit_blocks)
+                    scheduled.num_external_tokens = num_external_tokens
+                    scheduled.external_blocks = [
+                        ExternalBlock(block_id, payload) for block_id, payload in
+                        zip(scheduled.block_ids[first:first + len(external_payloads)],
+                            external_payloads, strict=True)]
                 budget -= num_new_tokens
+                if lora_name is not None:
+                    running_loras.add(lora_name)
+            self.waiting.extendleft(reversed(skipped))
         return output
+
+    def _load_external_prefix(self, request: Request, num_hit_blocks: int) -> list:
+        """Payloads of the request's blocks after its ``num_hit_blocks`` local hits that
+        the external source holds (at most up to its last prompt token, as a local hit);
+        the same list again while the request waits for room."""
+        manager = self.kv_cache_manager
+        if not manager.enable_caching or request.skip_reading_prefix_cache:
+            return []
+        last = self._external_load
+        if last is not None and last[0] is request and last[1] == num_hit_blocks:
+            return last[2]
+        block_size = manager.block_size
+        max_blocks = (request.num_tokens - 1) // block_size
+        block_hashes = request.block_hashes[num_hit_blocks:max_blocks]
+        payloads: list = []
+        if block_hashes:
+            num_held = self.external_prefix_source.lookup(block_hashes)
+            if num_held:
+                tokens = request.all_token_ids
+                payloads = list(self.external_prefix_source.load(
+                    block_hashes[:num_held],
+                    [tokens[i * block_size:(i + 1) * block_size]
+                     for i in range(num_hit_blocks, num_hit_blocks + num_held)]))
+        self._external_load = (request, num_hit_blocks, payloads)
+        return payloads
 
     def _schedule(self, request: Request, num_new_tokens: int,
                   output: SchedulerOutput) -> ScheduledRequest:

@@ -21,6 +21,7 @@ from prefixcache.arg_types import (
     byte_size,
     int_in_range,
     non_negative_int,
+    positive_float,
     positive_int,
     size_text,
 )
@@ -30,6 +31,8 @@ from prefixcache.config import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_HASH_ALGO,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL_NAME,
@@ -46,6 +49,12 @@ from prefixcache.engine.option_fields import (
     is_str,
     option,
 )
+from prefixcache.kv_tier import (
+    ADMISSION_POLICIES,
+    DEFAULT_WRITE_QUEUE_BYTES,
+    kv_tier_url_problem,
+    unshareable_hash_seed_reason,
+)
 
 if TYPE_CHECKING:
     from prefixcache.model.loader import LoadedModel
@@ -53,6 +62,23 @@ if TYPE_CHECKING:
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # prefixcache.events.convert.BLOCK_HASH_FORMATS, not imported here: it loads msgspec.
 BLOCK_HASH_FORMATS = ("int64", "bytes")
+
+
+def kv_tier_url(text: str) -> str:
+    """A ``--kv-tier`` value on the command line (checked, not connected to)."""
+    problem = kv_tier_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+def is_kv_tier_url(value: Any) -> bool:
+    return isinstance(value, str) and kv_tier_url_problem(value) is None
+
+
+def is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and 0 < value < float("inf")
 
 
 def model_path(text: str) -> str:
@@ -82,6 +108,9 @@ class EngineArgs(DeclaredOptions):
     their own; ``hash_seed`` the prefix-cache block hashes (see
     :mod:`prefixcache.core.hashing`). ``enable_kv_events`` records KV cache events for
     ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
+    ``enable_lora`` lets requests run with LoRA adapters: at most ``max_loras`` distinct
+    ones per step, each of rank at most ``max_lora_rank``, up to ``max_cpu_loras`` unused
+    ones kept loaded (see :mod:`prefixcache.lora`).
     """
 
     CLI_GROUP = "engine"
@@ -140,6 +169,76 @@ class EngineArgs(DeclaredOptions):
         help="seed of the prefix-cache block hashes")
     enable_kv_events: bool = option(
         False, help="record KV cache events for LLMEngine.take_kv_events")
+    kv_tier: str | None = option(
+        None, "--kv-tier", accepts=is_kv_tier_url,
+        wanted="redis://HOST:PORT/DB or disk:/PATH", parse=kv_tier_url, metavar="URL",
+        default_text="none, only the in-process cache",
+        help="a second KV tier behind the block pool: redis://HOST:PORT/DB (Redis or "
+             "Valkey, shared by every replica pointed at it) or disk:/PATH (a local "
+             "directory that outlives restarts). Prefix blocks missing locally are loaded "
+             "from it instead of recomputed; computed blocks are written to it in the "
+             "background. Needs reproducible block hashes (see docs/kv-tier.md)")
+    kv_tier_max_bytes: int | None = option(
+        None, "--kv-tier-max-size", accepts=is_positive_int, wanted="a positive integer",
+        parse=byte_size, metavar="SIZE", default_text="unbounded",
+        help="bound a disk tier, e.g. 20GiB; least recently used blocks are deleted "
+             "first (a Redis tier is bounded by the server's maxmemory)")
+    kv_tier_admission: str = option(
+        "always", "--kv-tier-admission", choices=ADMISSION_POLICIES,
+        help="which computed blocks are written to the tier: always, or seen-twice (a "
+             "block used a second time, so one-off prompts never reach it)")
+    kv_tier_write_queue_bytes: int = option(
+        DEFAULT_WRITE_QUEUE_BYTES, "--kv-tier-write-queue-size", accepts=is_positive_int,
+        wanted="a positive integer", parse=byte_size, metavar="SIZE",
+        default_text=size_text(DEFAULT_WRITE_QUEUE_BYTES),
+        help="most bytes of blocks waiting to be written to the tier; past it, blocks "
+             "are dropped (counted), never waited for")
+    kv_tier_timeout: float = option(
+        1.0, "--kv-tier-timeout", accepts=is_positive_number, wanted="a positive number",
+        parse=positive_float, metavar="SECONDS",
+        help="how long a tier call may take; a failure or timeout is a miss, and the "
+             "tier is left alone for a few seconds")
+
+    enable_lora: bool = option(
+        False, "--enable-lora",
+        help="serve LoRA adapters (PEFT folders) next to the base model; each request "
+             "may name one")
+    max_loras: int = option(
+        DEFAULT_MAX_LORAS, "--max-loras", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="N",
+        help="most LoRA adapters one step runs; requests for further adapters wait")
+    max_lora_rank: int = option(
+        DEFAULT_MAX_LORA_RANK, "--max-lora-rank", accepts=is_positive_int,
+        wanted="a positive integer", parse=positive_int, metavar="R",
+        help="largest LoRA rank accepted; adapters of higher rank are refused")
+    max_cpu_loras: int | None = option(
+        None, "--max-cpu-loras", accepts=is_positive_int, wanted="a positive integer",
+        parse=positive_int, metavar="N", default_text="--max-loras",
+        help="LoRA adapters kept loaded in memory when no request uses them (least "
+             "recently used dropped first, re-read from their folder when needed); at "
+             "least --max-loras")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+        self._check_kv_tier()
+
+    def _check_kv_tier(self) -> None:
+        if self.kv_tier is None:
+            if self.kv_tier_max_bytes is not None:
+                raise ValueError("kv_tier_max_bytes (--kv-tier-max-size) needs a kv_tier")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_tier (--kv-tier) needs prefix caching on")
+        reason = unshareable_hash_seed_reason(self.hash_algo, self.hash_seed)
+        if reason is not None:
+            raise ValueError(reason)
+        if self.kv_tier_max_bytes is not None and not self.kv_tier.startswith("disk:"):
+            raise ValueError("kv_tier_max_bytes (--kv-tier-max-size) bounds a disk tier; "
+                             "bound a Redis/Valkey tier with the server's maxmemory and "
+                             "maxmemory-policy allkeys-lru")
 
 
 @dataclass(frozen=True)

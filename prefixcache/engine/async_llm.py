@@ -49,7 +49,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.events.publisher import EventPublisher
+    from prefixcache.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class NewRequest:
     sampling_params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 # ---- commands (event loop -> engine loop) ---------------------------------------------
@@ -107,6 +109,17 @@ class _Reset:
     abort_running: bool
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
+    reset_kv_tier: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``function(engine)`` on the engine loop's thread; its result or exception
+    settles ``done``."""
+
+    function: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -130,10 +143,11 @@ class AsyncLLM:
 
     ``engine`` must follow ``LLMEngine``'s contract (``add_request``, ``abort_request``,
     ``step``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``,
-    ``take_kv_events``); in particular the next step reports each aborted request's
-    final output, and ``add_request`` refuses its id until then. ``event_publisher``
-    receives each step's KV events (and the AsyncLLM closes it on shutdown); None
-    publishes nothing. The engine loop starts in the constructor.
+    ``take_kv_events``, ``close``, called once the loop has stopped); in particular the
+    next step reports each aborted request's final output, and ``add_request`` refuses
+    its id until then. ``event_publisher`` receives each step's KV events (and the
+    AsyncLLM closes it on shutdown); None publishes nothing. The engine loop starts in
+    the constructor.
     """
 
     def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
@@ -250,7 +264,8 @@ class AsyncLLM:
         if request_ids:
             self._commands.put(_Abort(list(request_ids), stream))
 
-    async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False) -> bool:
+    async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False,
+                                 reset_kv_tier: bool = False) -> bool:
         """Drop every cached block that no request holds; True if the cache is now empty.
 
         - default: try now; False if running requests hold blocks.
@@ -260,11 +275,28 @@ class AsyncLLM:
           finished, then the reset happens and the held requests are admitted. This
           cannot starve under steady load, and waits as long as the longest running
           request.
+        - ``reset_kv_tier``: a successful reset also deletes this engine's blocks from
+          its KV tier (which other replicas may share).
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._put_command(_Reset(wait, abort_running, loop, done))
+        self._put_command(_Reset(wait, abort_running, loop, done, reset_kv_tier))
+        return await done
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """``LLMEngine.add_lora`` on the engine's thread (loads the adapter there)."""
+        return await self._call_engine(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_name: str) -> LoRARequest:
+        """``LLMEngine.remove_lora`` on the engine's thread."""
+        return await self._call_engine(lambda engine: engine.remove_lora(lora_name))
+
+    async def _call_engine(self, function: Callable[[Any], Any]) -> Any:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._put_command(_Call(function, loop, done))
         return await done
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -280,12 +312,14 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()  # the KV tier's queued writes
         if self.event_publisher is not None:
             with self._publish_lock:
                 self._publisher_closed = True
                 self.event_publisher.close()
 
-    def _put_command(self, command: _Add | _Reset) -> None:
+    def _put_command(self, command: _Add | _Reset | _Call) -> None:
         self._commands.put(command)
         if self._has_stopped_taking_commands or not self._thread.is_alive():
             # The loop stopped between our check and the put; nobody else will answer.
@@ -342,6 +376,13 @@ class AsyncLLM:
                 self._apply_abort(command.request_ids, command.stream)
             elif isinstance(command, _Reset):
                 self._apply_reset(command)
+            elif isinstance(command, _Call):
+                try:
+                    result = command.function(self.engine)
+                except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                    _resolve(command.loop, command.done, exception=exc)
+                else:
+                    _resolve(command.loop, command.done, result=result)
             elif isinstance(command, _Shutdown):
                 # Already taken off the queue, so the final drain would never see them.
                 _refuse(commands[index + 1:], EngineDeadError(_SHUTDOWN_REASON))
@@ -371,7 +412,8 @@ class AsyncLLM:
             for request in command.requests:
                 self.engine.add_request(request.request_id, request.prompt_token_ids,
                                         request.sampling_params, cache_salt=request.cache_salt,
-                                        arrival_time=request.arrival_time or time.time())
+                                        arrival_time=request.arrival_time or time.time(),
+                                        lora_request=request.lora_request)
                 added.append(request.request_id)
                 self._request_id_to_tracked[request.request_id] = _Tracked(
                     command.stream, command.loop)
@@ -412,7 +454,7 @@ class AsyncLLM:
         if command.wait and self.engine.has_unfinished_requests():
             self._reset_waiters.append(command)  # one reset serves everyone waiting
             return
-        success = bool(self.engine.reset_prefix_cache())
+        success = bool(self.engine.reset_prefix_cache(command.reset_kv_tier))
         _resolve(command.loop, command.done, result=success)
 
     def _maybe_finish_pending_reset(self) -> None:
@@ -420,7 +462,8 @@ class AsyncLLM:
         if not self._reset_waiters or self.engine.has_unfinished_requests():
             return
         waiters, self._reset_waiters = self._reset_waiters, []
-        success = bool(self.engine.reset_prefix_cache())
+        success = bool(self.engine.reset_prefix_cache(
+            any(waiter.reset_kv_tier for waiter in waiters)))
         for waiter in waiters:
             _resolve(waiter.loop, waiter.done, result=success)
 
@@ -488,9 +531,10 @@ def _make_publisher(kv_events_args: KVEventsArgs) -> EventPublisher:
 
 
 def _refuse(commands: Sequence[Any], error: BaseException) -> None:
-    """Answer every add and reset among ``commands`` with ``error``; aborts need no answer."""
+    """Answer every add, reset and call among ``commands`` with ``error``; aborts need no
+    answer."""
     for command in commands:
-        if isinstance(command, (_Add, _Reset)):
+        if isinstance(command, (_Add, _Reset, _Call)):
             _resolve(command.loop, command.done, exception=error)
 
 

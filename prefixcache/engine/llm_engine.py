@@ -34,8 +34,15 @@ from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
+from prefixcache.kv_tier import KVTier, open_backend
+from prefixcache.kv_tier.engine_link import offer_step_blocks
+from prefixcache.lora.adapter import LoRAAdapter
+from prefixcache.lora.errors import LoRAError
+from prefixcache.lora.registry import LoRARegistry
+from prefixcache.lora.request import LoRARequest
 from prefixcache.model.loader import LoadedModel, load_model
 from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
+from prefixcache.worker.kv_transfer import kv_layout
 from prefixcache.worker.model_runner import ModelRunner
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
@@ -57,7 +64,9 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_config = model_config
         self.cache_config = cache_config = config_from(engine_args, CacheConfig)
-        self.scheduler_config = scheduler_config = config_from(engine_args, SchedulerConfig)
+        self.scheduler_config = scheduler_config = config_from(
+            engine_args, SchedulerConfig,
+            max_loras=engine_args.max_loras if engine_args.enable_lora else None)
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
         self.arch_config = loaded_model.arch_config
@@ -78,10 +87,21 @@ class LLMEngine:
             enable_events=cache_config.enable_kv_events,
             eviction_policy=cache_config.eviction_policy,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.kv_tier = _open_kv_tier(engine_args, loaded_model, self.kv_cache_manager, dtype) \
+            if engine_args.kv_tier is not None else None
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_tier)
         self.runner = ModelRunner(
-            loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype
+            loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype,
+            max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
+        self.lora_registry: LoRARegistry | None = None
+        if engine_args.enable_lora:
+            self.lora_registry = LoRARegistry(
+                self.arch_config, engine_args.max_lora_rank,
+                engine_args.max_cpu_loras or engine_args.max_loras, dtype,
+            )
+        # The adapter of each unfinished request that uses one (pinned in the registry).
+        self._request_id_to_adapter: dict[str, LoRAAdapter] = {}
         self.sampler = Sampler(engine_args.seed)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(self.arch_config.eos_token_ids)
@@ -129,8 +149,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; it runs from the next :meth:`step`.
+        """Queue a request; it runs from the next :meth:`step`, with the LoRA adapter of
+        ``lora_request`` if given (loaded now if need be; see :meth:`add_lora`).
 
         The engine runs one sample per request (``sampling_params.n`` is the caller's to
         expand). Raises :class:`~prefixcache.engine.errors.InvalidRequestError` (a
@@ -138,7 +160,9 @@ class LLMEngine:
         id in use (``param="request_id"``), invalid params (None: the message names the
         parameter), an empty prompt or a token id outside the vocabulary, a prompt plus
         ``max_tokens`` beyond ``max_model_len``, or a prompt that can never fit the KV pool
-        (``"prompt"``). A ``request_id`` that is not a string is a plain ValueError.
+        (``"prompt"``), an adapter that cannot be used or LoRA not enabled
+        (``"lora_request"``; caused by a :class:`~prefixcache.lora.errors.LoRAError`). A
+        ``request_id`` that is not a string is a plain ValueError.
 
         An id is in use from ``add_request`` until :meth:`step` has returned its final
         output; for an aborted request that is the step after :meth:`abort_request`. So
@@ -187,13 +211,32 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}",
                 "prompt",
             )
-        request = Request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(request_id, f"lora_request must be a LoRARequest, "
+                                      f"got {type(lora_request).__name__}", "lora_request")
+        request = Request(
+            request_id, prompt_token_ids, cache_salt=cache_salt,
+            lora_name=None if lora_request is None else lora_request.lora_name,
+            lora_path=None if lora_request is None else lora_request.lora_path,
+            lora_id=None if lora_request is None else lora_request.lora_int_id,
+        )
+        adapter = None
+        if lora_request is not None:
+            try:
+                # Pinned from here on: released when the request finishes, or just below.
+                adapter = self._lora_registry_or_raise().acquire(lora_request)
+            except LoRAError as error:
+                raise InvalidRequestError(request_id, str(error), "lora_request") from error
         try:
             # Refused if the prompt alone can never fit the pool; max_tokens is not
             # counted (see above). The id cannot clash: it was checked above.
             self.scheduler.add_request(request)
         except ValueError as error:
+            if adapter is not None:
+                self.lora_registry.release(adapter)
             raise InvalidRequestError(request_id, str(error), "prompt") from error
+        if adapter is not None:
+            self._request_id_to_adapter[request_id] = adapter
         self.request_states[request_id] = RequestState(
             request,
             sampling_params,
@@ -215,6 +258,7 @@ class LLMEngine:
             if state is None:
                 continue
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self._release_adapter(request_id)
             state.finish(RequestStatus.FINISHED_ABORTED)
             self._pending_outputs.append(state.make_output())
 
@@ -250,25 +294,36 @@ class LLMEngine:
             request = scheduled.request
             state = states[request.request_id]
             if state.num_cached_tokens is None:  # first admission
-                state.num_cached_tokens = scheduled.num_hit_tokens
+                state.num_cached_tokens = scheduled.num_hit_tokens + \
+                    scheduled.num_external_tokens
                 self._stats.prompt_tokens += request.num_prompt_tokens
+                if self.kv_tier is not None and not request.skip_reading_prefix_cache:
+                    self._stats.external_prefix_cache_queries += request.num_tokens
+                    self._stats.external_prefix_cache_hits += scheduled.num_external_tokens
             sequences.append(ScheduledSequence(
                 request.request_id, scheduled.token_ids, scheduled.start_position,
                 scheduled.block_ids, scheduled.needs_logits,
+                self._request_id_to_adapter.get(request.request_id),
             ))
             if scheduled.needs_logits:
                 sampling_states.append(state)
         try:
+            self._write_external_blocks(scheduler_output)
             logits = self.runner.execute(sequences)
         except Exception as error:  # noqa: BLE001 - reported on every request of the step
             message = f"model execution failed: {type(error).__name__}: {error}"
             for scheduled in scheduler_output.scheduled:
-                # Blocks scheduled full this step were cached already: no KV behind them.
-                self.kv_cache_manager.uncache_uncomputed(scheduled.request,
-                                                         scheduled.start_position)
+                # Blocks scheduled full this step were cached already: no KV behind them
+                # (nor, to be safe, behind blocks that were to be loaded from the tier).
+                self.kv_cache_manager.uncache_uncomputed(
+                    scheduled.request,
+                    scheduled.start_position - scheduled.num_external_tokens)
                 outputs.append(self._finish(scheduled.request.request_id,
                                             RequestStatus.FINISHED_ERROR, message))
             return
+        if self.kv_tier is not None:
+            offer_step_blocks(self.kv_tier, scheduler_output.scheduled, self.block_size,
+                              self.runner.read_kv_blocks)
         token_ids = self.sampler.sample(
             logits, [s.params for s in sampling_states], [s.generator for s in sampling_states]
         )
@@ -282,19 +337,70 @@ class LLMEngine:
             else:
                 outputs.append(self._finish(state.request.request_id, status))
 
+    def _write_external_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Copy the blocks the scheduler loaded from the KV tier into the KV cache."""
+        external_blocks = [block for scheduled in scheduler_output.scheduled
+                           for block in scheduled.external_blocks]
+        if external_blocks:
+            self.runner.write_kv_blocks([block.block_id for block in external_blocks],
+                                        [block.payload for block in external_blocks])
+
     def _finish(self, request_id: str, status: RequestStatus,
                 error: str | None = None) -> RequestOutput:
         state = self.request_states.pop(request_id)
         self.scheduler.finish_request(request_id, status)  # no-op if the scheduler did it
+        self._release_adapter(request_id)
         state.finish(status, error)
         return state.make_output()
 
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter ahead of its requests (vLLM's ``add_lora``); False
+        if that name is already registered for the same path and id. Raises
+        :class:`~prefixcache.lora.errors.LoRAError` (LoRANotFoundError for a missing
+        folder) if LoRA is not enabled or the adapter cannot be used."""
+        return self._lora_registry_or_raise().add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Forget adapter ``lora_name``; requests already using it finish with it. Its
+        cached KV blocks stay until evicted, keyed by the name, so the name can come back
+        only for the same adapter (path and id). Raises LoRANotFoundError for an unknown
+        name."""
+        return self._lora_registry_or_raise().remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters (empty without LoRA)."""
+        return [] if self.lora_registry is None else self.lora_registry.list_requests()
+
+    def _lora_registry_or_raise(self) -> LoRARegistry:
+        if self.lora_registry is None:
+            raise LoRAError(None, "LoRA is not enabled: build the engine with "
+                                  "enable_lora=True (serve --enable-lora)")
+        return self.lora_registry
+
+    def _release_adapter(self, request_id: str) -> None:
+        adapter = self._request_id_to_adapter.pop(request_id, None)
+        if adapter is not None:
+            self.lora_registry.release(adapter)
+
     # -- cache and stats --------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
         """Forget every cached block; False (and nothing changed) while requests hold
-        blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        blocks. With ``reset_kv_tier``, a successful reset also deletes this engine's
+        blocks (its layout's) from the KV tier, which other replicas share."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if reset_kv_tier and self.kv_tier is not None:
+            self.kv_tier.clear()
+        return True
+
+    def close(self) -> None:
+        """Write the KV tier's queued blocks (a few seconds at most) and release it. The
+        engine needs no other cleanup; calling it twice is harmless."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def get_stats(self) -> EngineStats:
         """Cumulative counters and current gauges (see :class:`EngineStats`; the KV
@@ -307,6 +413,8 @@ class LLMEngine:
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_manager.usage
+        if self.kv_tier is not None:
+            stats.add_kv_tier_stats(self.kv_tier.stats)
         return copy.copy(stats)
 
     def take_kv_events(self) -> list:
@@ -314,6 +422,18 @@ class LLMEngine:
         if not self.cache_config.enable_kv_events:
             return []
         return self.kv_cache_manager.take_events()
+
+
+def _open_kv_tier(engine_args: EngineArgs, loaded_model: LoadedModel,
+                  kv_cache_manager: KVCacheManager, dtype: torch.dtype) -> KVTier:
+    """The KV tier ``engine_args.kv_tier`` names, keyed by this engine's KV layout."""
+    hasher = kv_cache_manager.block_hasher
+    layout = kv_layout(loaded_model.model, loaded_model.arch_config,
+                       kv_cache_manager.block_size, dtype, hasher.hash_algo, hasher.none_hash)
+    backend = open_backend(engine_args.kv_tier, max_bytes=engine_args.kv_tier_max_bytes,
+                           timeout_s=engine_args.kv_tier_timeout)
+    return KVTier(backend, layout, admission=engine_args.kv_tier_admission,
+                  write_queue_bytes=engine_args.kv_tier_write_queue_bytes)
 
 
 def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:

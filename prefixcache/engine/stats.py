@@ -22,20 +22,23 @@ class Stat:
     """A stat's metric: ``kind`` (``counter``: cumulative since the engine started, exposed
     with a ``_total`` suffix; ``gauge``: a value at the time of the call), ``metric``
     (the name after the prefix) and ``help``. ``prefix_cache`` names the
-    :class:`~prefixcache.core.PrefixCacheStats` field a counter accumulates, if any."""
+    :class:`~prefixcache.core.PrefixCacheStats` field a counter accumulates, if any;
+    ``kv_tier`` the :class:`~prefixcache.kv_tier.KVTierStats` field it copies."""
 
     kind: str
     metric: str | None
     help: str
     prefix_cache: str | None = None
+    kv_tier: str | None = None
 
 
 def stat(kind: str, help: str, *, metric: str | None = None,
-         prefix_cache: str | None = None, default: Any = 0) -> Any:
+         prefix_cache: str | None = None, kv_tier: str | None = None,
+         default: Any = 0) -> Any:
     """A field declaring one stat; its metric is named like the field unless ``metric``
     says otherwise (vLLM's name, where vLLM has the metric)."""
     return field(default=default,
-                 metadata={STAT: Stat(kind, metric, help, prefix_cache)})
+                 metadata={STAT: Stat(kind, metric, help, prefix_cache, kv_tier)})
 
 
 @dataclass(slots=True)
@@ -78,11 +81,39 @@ class EngineStats:
         GAUGE, "Fraction (0..1) of KV cache blocks held by requests.",
         metric="kv_cache_usage_perc", default=0.0)
     num_kv_blocks: int = stat(GAUGE, "KV cache blocks in the pool.")
+    external_prefix_cache_queries: int = stat(
+        COUNTER, "Prompt tokens of admitted requests looked up in the KV tier.")
+    external_prefix_cache_hits: int = stat(
+        COUNTER, "Prompt tokens loaded from the KV tier instead of computed.")
+    kv_tier_errors: int = stat(
+        COUNTER, "KV tier calls that failed or timed out (each treated as a miss).",
+        kv_tier="num_errors")
+    kv_tier_invalid_values: int = stat(
+        COUNTER, "KV tier values refused by verification (each treated as a miss).",
+        kv_tier="num_invalid_values")
+    kv_tier_read_bytes: int = stat(
+        COUNTER, "Bytes read from the KV tier.", kv_tier="num_bytes_read")
+    kv_tier_written_bytes: int = stat(
+        COUNTER, "Bytes written to the KV tier.", kv_tier="num_bytes_written")
+    kv_tier_writes_dropped: int = stat(
+        COUNTER, "Blocks not written to the KV tier: write queue full or write failed.",
+        kv_tier="num_writes_dropped")
+    kv_tier_loads: int = stat(COUNTER, "Loads from the KV tier.", kv_tier="num_loads")
+    kv_tier_load_seconds: float = stat(
+        COUNTER, "Seconds spent loading from the KV tier (divide by kv_tier_loads for "
+        "the mean load latency).", kv_tier="load_seconds", default=0.0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries \
             if self.prefix_cache_queries else 0.0
+
+    def add_kv_tier_stats(self, kv_tier_stats: Any) -> None:
+        """Set the counters a :class:`~prefixcache.kv_tier.KVTierStats` (cumulative since
+        the tier opened) holds."""
+        for stat_field, spec in _STAT_FIELDS:
+            if spec.kv_tier is not None:
+                setattr(self, stat_field.name, getattr(kv_tier_stats, spec.kv_tier))
 
     def add_prefix_cache_stats(self, prefix_cache_stats: Any) -> None:
         """Add a :class:`~prefixcache.core.PrefixCacheStats` (counts since its last read)
@@ -99,7 +130,7 @@ def metric_fields(stats_cls: type = EngineStats) -> list[tuple[str, Stat]]:
     ``stats_cls`` (a dataclass of :func:`stat` fields, :class:`EngineStats` unless
     another is named), in declaration order."""
     return [(stat_field.name, Stat(spec.kind, spec.metric or stat_field.name, spec.help,
-                                   spec.prefix_cache))
+                                   spec.prefix_cache, spec.kv_tier))
             for stat_field, spec in _stat_fields(stats_cls)]
 
 

@@ -17,6 +17,7 @@ import sys
 
 from prefixcache.arg_types import int_in_range, non_negative_float, utf8_text
 from prefixcache.engine.arg_utils import MAX_SEED, MIN_SEED, EngineArgs
+from prefixcache.lora.modules import lora_module
 
 EXIT_USAGE = 2
 REQUEST_ID_PREFIX = "generate-"
@@ -37,6 +38,7 @@ examples:
   prefixcache generate --chat "Write a haiku about caches." --temperature 0.7 --seed 1
   prefixcache generate --model ./my-llama-folder --max-tokens 64 "Once upon a time"
   prefixcache generate --no-enable-prefix-caching "Hello" "Hello again"
+  prefixcache generate --model ./my-llama-folder --lora poet=./poet-adapter "Roses are"
 """
 
 # Prompts run one after another: a KV pool for one full-context sequence is enough.
@@ -73,6 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="keep generating past the end-of-sequence token")
     parser.add_argument("--no-stream", action="store_true",
                         help="print the text once finished instead of as it is generated")
+    parser.add_argument("--lora", type=lora_module, default=None, metavar="NAME=PATH",
+                        help="run every prompt with this LoRA adapter (a PEFT folder); "
+                             "implies --enable-lora")
     EngineArgs.add_cli_args(parser, exclude=("seed",), defaults=ENGINE_DEFAULTS)
     parser.set_defaults(func=run)
 
@@ -122,8 +127,12 @@ def run(args: argparse.Namespace) -> int:
     # Heavy imports here, so `prefixcache --help` and option errors do not load torch.
     from prefixcache.engine.llm_engine import LLMEngine
 
+    if args.lora is not None:
+        args.enable_lora = True
     try:
         engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+        if args.lora is not None:
+            engine.add_lora(args.lora)  # a bad adapter is said once, before any prompt
     except (ValueError, FileNotFoundError, OSError) as error:
         return _error(str(error))
     num_prompts = len(args.prompts)
@@ -167,7 +176,8 @@ def _generate_one(engine, args: argparse.Namespace, params, position: int, num_p
     from prefixcache.engine.errors import InvalidRequestError
 
     try:
-        engine.add_request(f"{REQUEST_ID_PREFIX}{position}", prompt_token_ids, params)
+        engine.add_request(f"{REQUEST_ID_PREFIX}{position}", prompt_token_ids, params,
+                           lora_request=args.lora)
     except InvalidRequestError as error:
         return _error(_about_prompt(position, num_prompts, error.message))
     final = None

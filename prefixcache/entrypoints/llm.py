@@ -15,6 +15,7 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
+from prefixcache.lora.request import LoRARequest
 from prefixcache.model.loader import LoadedModel
 
 # A progress bar is worth drawing only for batches at least this large.
@@ -46,6 +47,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one output per prompt, in input order.
 
@@ -58,13 +60,17 @@ class LLM:
         fields repeat sample 0. With ``n == 1`` ``outputs`` holds the one sample, so
         ``output.outputs`` can always be iterated.
 
-        Raises ValueError before anything runs if any prompt or params is invalid.
+        ``lora_request`` runs every prompt with one LoRA adapter, or gives one per prompt
+        (None for the base model); the engine needs ``enable_lora=True``.
+
+        Raises ValueError before anything runs if any prompt, params or adapter is invalid.
         """
         prompt_list = _as_prompt_list(prompts)
         return self._run(
             [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt_list],
             sampling_params,
             use_tqdm,
+            lora_request,
         )
 
     def chat(
@@ -75,11 +81,12 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Like :meth:`generate` for one conversation (a list of ``{"role", "content"}``
         dicts) or a list of conversations, rendered with the model's chat template (or
         ``chat_template``). Returns one output per conversation; ``prompt`` holds the
-        rendered text."""
+        rendered text. ``lora_request`` as for :meth:`generate`, per conversation."""
         if not messages:
             raise ValueError("messages must be a non-empty conversation or list of them")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
@@ -98,11 +105,16 @@ class LLM:
             )
             # The template already wrote any BOS the model wants.
             prompts.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. between benchmark runs)."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
+        """Forget every cached block (e.g. between benchmark runs); with
+        ``reset_kv_tier``, this engine's blocks in its KV tier too."""
+        return self.engine.reset_prefix_cache(reset_kv_tier)
+
+    def close(self) -> None:
+        """Write the KV tier's queued blocks and release it (nothing else to release)."""
+        self.engine.close()
 
     def get_stats(self) -> EngineStats:
         """The engine's counters and gauges (see :class:`EngineStats`)."""
@@ -115,10 +127,13 @@ class LLM:
         prompts: list[tuple[str | None, list[int] | None]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[RequestOutput]:
         params_list = _params_per_prompt(sampling_params, len(prompts))
+        lora_list = _lora_per_prompt(lora_request, len(prompts))
         # Tokenize and validate everything before queueing anything.
-        requests: list[tuple[int, str, str | None, list[int], SamplingParams]] = []
+        requests: list[tuple[int, str, str | None, list[int], SamplingParams,
+                             LoRARequest | None]] = []
         base_ids: list[str] = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list,
                                                                  strict=True)):
@@ -134,12 +149,14 @@ class LLM:
                 if params.n > 1:
                     sample_params = _one_sample(params, sample)
                 request_id = base_id if params.n == 1 else f"{base_id}-{sample}"
-                requests.append((index, request_id, text, token_ids, sample_params))
+                requests.append((index, request_id, text, token_ids, sample_params,
+                                 lora_list[index]))
         added: list[str] = []
         try:
-            for index, request_id, text, token_ids, params in requests:
+            for index, request_id, text, token_ids, params, lora in requests:
                 try:
-                    self.engine.add_request(request_id, token_ids, params, prompt=text)
+                    self.engine.add_request(request_id, token_ids, params, prompt=text,
+                                            lora_request=lora)
                 except InvalidRequestError as error:
                     # Said in the caller's terms: the request id is internal.
                     raise ValueError(f"prompt {index}: {error.message}") from error
@@ -219,6 +236,24 @@ def _params_per_prompt(
     if not all(isinstance(p, SamplingParams) for p in params_list):
         raise ValueError("sampling_params must be SamplingParams or a list of them")
     return params_list
+
+
+def _lora_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence) or isinstance(lora_request, str):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (None for "
+                         f"the base model) or None, got {type(lora_request).__name__}")
+    lora_list = list(lora_request)
+    if len(lora_list) != num_prompts:
+        raise ValueError(f"got {len(lora_list)} LoRA requests for {num_prompts} prompts")
+    for lora in lora_list:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"each lora_request must be a LoRARequest or None, got "
+                             f"{type(lora).__name__}")
+    return lora_list
 
 
 def _one_sample(params: SamplingParams, sample: int) -> SamplingParams:

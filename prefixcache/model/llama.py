@@ -7,11 +7,16 @@ prompts and decodes it holds. Only `PagedAttention` looks at the KV cache.
 Parameter names follow Hugging Face's (`model.layers.N.self_attn...`) except two fusions done
 at load time by `load_hf_state_dict`: q/k/v projections into `qkv_proj` and gate/up into
 `gate_up_proj`, one matmul each instead of three and two.
+
+LoRA: `forward` takes the step's adapter deltas (`prefixcache.lora.slots.LoRAStepBatch`,
+None without adapters); each layer adds them right after each projection, whatever module
+computes the projection, so every token gets its own adapter's delta.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,9 @@ from prefixcache.model.attention import PagedAttention
 from prefixcache.model.attention_metadata import AttentionMetadata, KVCache
 from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from prefixcache.lora.slots import LoRALayerStep, LoRAStepBatch
 
 
 class RMSNorm(nn.Module):
@@ -60,10 +68,16 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.add("qkv_proj", hidden, qkv)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, d]
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
@@ -73,6 +87,8 @@ class LlamaAttention(nn.Module):
             key = self.k_norm(key)
         query, key = self.rotary(metadata.positions, query, key)
         attended = self.attn(query, key, value, kv_cache, metadata)  # [T, heads * d]
+        if lora is not None:
+            return lora.add("o_proj", attended, self.o_proj(attended))
         return self.o_proj(attended)
 
 
@@ -89,9 +105,14 @@ class LlamaMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRALayerStep | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate_up = lora.add("gate_up_proj", x, self.gate_up_proj(x))  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        activated = F.silu(gate) * up  # [T, intermediate]
+        return lora.add("down_proj", activated, self.down_proj(activated))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,10 +124,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        lora: LoRALayerStep | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaModel(nn.Module):
@@ -166,14 +191,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoRAStepBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] int64; one KVCache per layer; logits_indices [N] int64.
+        """input_ids [T] int64; one KVCache per layer; logits_indices [N] int64; `lora`
+        the step's adapter deltas, one entry per layer, or None for the base model alone.
 
         Returns [N, vocab_size] float32.
         """
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, kv_cache, metadata)
+        lora_layers = lora.layers if lora is not None else [None] * len(kv_caches)
+        for layer, kv_cache, lora_layer in zip(self.model.layers, kv_caches, lora_layers,
+                                               strict=True):
+            hidden = layer(hidden, kv_cache, metadata, lora_layer)
         hidden = self.model.norm(hidden[logits_indices])  # [N, hidden]
         return F.linear(hidden, self.output_weight).float()  # [N, vocab]
 

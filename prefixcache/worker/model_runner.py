@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.lora.slots import LoRASlots, LoRAStepBatch
 from prefixcache.model.attention_metadata import (
     AttentionMetadata,
     ChunkAttention,
@@ -22,6 +23,7 @@ from prefixcache.model.attention_metadata import (
 )
 from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.llama import LlamaForCausalLM
+from prefixcache.worker import kv_transfer
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
 # One layer of SmolLM2-135M shapes (float32, 2 threads): cascade decode attention broke even
@@ -37,6 +39,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num sequences with needs_logits] int64, input order
+    lora: LoRAStepBatch | None = None  # the adapters' deltas; None if no token uses one
 
 
 class ModelRunner:
@@ -51,6 +54,10 @@ class ModelRunner:
     in nested groups where subsets share more (`_find_shared_prefixes`), provided it at
     least halves the longest run of keys each decode reads on its own; below either,
     reading the prefix once saves less than the extra attention and merge cost.
+
+    With `max_loras` set, sequences may carry a LoRA adapter: each step activates its
+    sequences' adapters in `max_loras` slots (`LoRASlots`) and every token gets its own
+    adapter's delta; a step may mix the base model and up to `max_loras` adapters.
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype | None = None,
         min_shared_prefix_tokens: int = DEFAULT_MIN_SHARED_PREFIX_TOKENS,
+        max_loras: int | None = None,
     ) -> None:
         if num_kv_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -81,6 +89,7 @@ class ModelRunner:
             KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(arch_config.num_layers)
         ]
+        self.lora_slots = LoRASlots(arch_config, max_loras) if max_loras is not None else None
         # [block_size]: offsets within a block, reused to expand block tables into slots.
         self._block_offsets = torch.arange(block_size, dtype=torch.int64)
 
@@ -91,13 +100,23 @@ class ModelRunner:
         if not sequences:
             return torch.empty(0, self.arch_config.vocab_size)
         inputs = self.build_step_inputs(sequences)
-        return self.model(inputs.input_ids, self.kv_caches, inputs.metadata, inputs.logits_indices)
+        return self.model(inputs.input_ids, self.kv_caches, inputs.metadata,
+                          inputs.logits_indices, inputs.lora)
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""
+        return kv_transfer.read_kv_blocks(self.kv_caches, block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence) -> None:
+        """Fill ``block_ids`` with KV tier payloads, before a step that reads them."""
+        kv_transfer.write_kv_blocks(self.kv_caches, block_ids, payloads)
 
     def build_step_inputs(self, sequences: Sequence[ScheduledSequence]) -> StepInputs:
         """Derive token ids, positions, slot mapping and per-sequence key slots.
 
         Raises ValueError if a sequence has no tokens, a block table too short for its
-        tokens, a block id outside the pool, or runs past the model's maximum position.
+        tokens, a block id outside the pool, or runs past the model's maximum position; or
+        carries a LoRA adapter when the runner has no slots, or more adapters than slots.
         """
         block_size = self.block_size
         max_positions = self.arch_config.max_position_embeddings
@@ -109,6 +128,7 @@ class ModelRunner:
         decode_block_tables: list[list[int]] = []
         decode_seq_lens: list[int] = []
         logits_rows: list[int] = []
+        lora = self._lora_step_batch(sequences)
 
         for seq in sequences:
             num_new = len(seq.token_ids)
@@ -167,7 +187,26 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             metadata=metadata,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            lora=lora,
         )
+
+    def _lora_step_batch(self, sequences: Sequence[ScheduledSequence]) -> LoRAStepBatch | None:
+        """Activate the sequences' adapters and build the step's deltas; None if no
+        sequence uses an adapter."""
+        adapters = list(dict.fromkeys(
+            seq.lora_adapter for seq in sequences if seq.lora_adapter is not None))
+        if not adapters:
+            return None
+        if self.lora_slots is None:
+            raise ValueError("a sequence uses a LoRA adapter but the runner has no LoRA "
+                             "slots (max_loras unset)")
+        adapter_to_slot = self.lora_slots.activate(adapters)
+        # [T]: each token's slot, -1 for the base model; sequences are packed in order.
+        token_slots = torch.tensor(
+            [-1 if seq.lora_adapter is None else adapter_to_slot[seq.lora_adapter]
+             for seq in sequences], dtype=torch.int64,
+        ).repeat_interleave(torch.tensor([len(seq.token_ids) for seq in sequences]))
+        return self.lora_slots.step_batch(token_slots)
 
     def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
         """The slots of every position in `block_ids`, in order: [len(block_ids) * block_size]."""

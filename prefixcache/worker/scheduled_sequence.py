@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.lora.adapter import LoRAAdapter
 
 
 @dataclass(slots=True)
@@ -14,6 +18,8 @@ class ScheduledSequence:
     start_position + len(token_ids) - 1` and writes their K/V into the same block table, which
     must therefore hold at least `ceil((start_position + len(token_ids)) / block_size)` blocks.
     A prefix-cache hit is just a larger `start_position` on a fresh request.
+    `lora_adapter` is the adapter its tokens run with (None: the base model); its blocks'
+    K/V were computed with the same adapter (the adapter's name is in their hashes).
     """
 
     request_id: str
@@ -21,3 +27,4 @@ class ScheduledSequence:
     start_position: int  # tokens of this sequence already in the KV cache
     block_ids: list[int]  # the request's whole block table (from the KV cache manager)
     needs_logits: bool  # the chunk ends at the last known token, so a token will be sampled
+    lora_adapter: LoRAAdapter | None = None

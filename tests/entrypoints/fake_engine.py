@@ -40,7 +40,9 @@ class FakeEngine:
         self.generation_tokens = 0
 
     def add_request(self, request_id, prompt_token_ids, sampling_params, cache_salt=None,
-                    arrival_time=None):
+                    arrival_time=None, lora_request=None):
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if request_id in self.running:
@@ -100,7 +102,7 @@ class FakeEngine:
         self.events.append(f"step{len(self.step_batches)}")
         return outputs
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_kv_tier: bool = False) -> bool:
         if self.running:
             return False
         self.num_resets += 1
@@ -114,6 +116,9 @@ class FakeEngine:
     def take_kv_events(self):
         events, self.events = self.events, []
         return events
+
+    def close(self) -> None:
+        self.is_closed = True
 
 
 class RecordingPublisher:

@@ -26,6 +26,15 @@ ENGINE_METRICS = {
     "prefixcache:num_requests_waiting": "gauge",
     "prefixcache:kv_cache_usage_perc": "gauge",
     "prefixcache:num_kv_blocks": "gauge",
+    "prefixcache:external_prefix_cache_queries": "counter",
+    "prefixcache:external_prefix_cache_hits": "counter",
+    "prefixcache:kv_tier_errors": "counter",
+    "prefixcache:kv_tier_invalid_values": "counter",
+    "prefixcache:kv_tier_read_bytes": "counter",
+    "prefixcache:kv_tier_written_bytes": "counter",
+    "prefixcache:kv_tier_writes_dropped": "counter",
+    "prefixcache:kv_tier_loads": "counter",
+    "prefixcache:kv_tier_load_seconds": "counter",
 }
 SERVER_METRICS = {
     "prefixcache:time_to_first_token_seconds": "histogram",

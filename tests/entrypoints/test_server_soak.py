@@ -49,5 +49,7 @@ def test_soak_with_a_flooding_tenant(tiny_model_dir, tmp_path):
     assert len(report.well_behaved_latencies_s) >= NUM_CLIENTS // 4
     counts = report.status_counts
     assert counts["bob:429"] > 0 and counts["bob:200"] > 0  # the flood met its limit
+    # carol's vanishing streams count against her limit too, so on a slow machine her
+    # invalid requests may meet it first: 429 is then the right answer, a 5xx never is.
     assert {status for who, status in (key.split(":") for key in counts)
-            if who == "carol-invalid"} <= {"400", "401", "404"}
+            if who == "carol-invalid"} <= {"400", "401", "404", "429"}

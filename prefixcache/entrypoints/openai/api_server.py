@@ -10,8 +10,13 @@ the operator key) -> prompt text size (400) -> admission (429 past the tenant's 
 
 ``/health`` and ``/metrics`` need no key (probes and scrapers); everything else does when
 keys are configured. ``POST /reset_prefix_cache`` is an operator endpoint (403 for others,
-see ``tenancy``'s roles); it takes optional query flags ``wait`` and ``abort_running``
-(``true``/``false``) with AsyncLLM's meanings and answers ``{"success": bool}``.
+see ``tenancy``'s roles); it takes optional query flags ``wait``, ``abort_running`` and
+``reset_kv_tier`` (``true``/``false``) with AsyncLLM's meanings and answers
+``{"success": bool}``.
+``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``), vLLM's runtime adapter endpoints, are
+operator endpoints too; they answer vLLM's plain-text success line, or 404 for an unknown
+adapter or a missing folder, 400 for anything else wrong (see ``serving_models``).
 
 A client that disconnects before its body has arrived is logged as one DEBUG line (no
 traceback) and answered with nothing. While the server drains (``--shutdown-timeout``),
@@ -58,11 +63,13 @@ from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from prefixcache.entrypoints.openai.server_args import ServerArgs
 from prefixcache.entrypoints.openai.serving import EventStream, ModelInfo, OpenAIServing
+from prefixcache.entrypoints.openai.serving_models import ServedModels
 from prefixcache.entrypoints.openai.tenancy import (
     Authenticator,
     AuthError,
@@ -159,8 +166,11 @@ async def _unless_client_leaves(raw_request: Request, work: Any) -> Any:
 
 def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
               authenticator: Authenticator | None = None,
-              server_args: ServerArgs | None = None) -> FastAPI:
+              server_args: ServerArgs | None = None,
+              served_models: ServedModels | None = None) -> FastAPI:
     """The server's ASGI app over a running AsyncLLM (which the caller shuts down).
+    ``served_models``: the base model's names and the LoRA adapters (default: the base
+    model's names of ``model_info`` alone).
 
     ``app.state.admission`` is its admission gate (the shutdown drains it) and
     ``app.state.tokenizer_pool`` its worker pool (the caller may shut it down)."""
@@ -170,7 +180,9 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     admission = Admission(authenticator.tenants, server_args.max_requests_per_tenant)
     metrics.add_stats(TenantStats, lambda: admission.tenant_to_stats, label="tenant")
     tokenizer_pool = TokenizerPool(server_args.tokenizer_pool_size)
-    serving = OpenAIServing(llm, tokenizer, model_info, metrics, tokenizer_pool)
+    serving = OpenAIServing(llm, tokenizer, model_info, metrics, tokenizer_pool,
+                            served_models)
+    served_models = serving.served_models
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
@@ -259,10 +271,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
     @app.get("/v1/models")
     async def models(raw_request: Request) -> Response:
         authenticate(raw_request)
-        created = int(time.time())
-        cards = [ModelCard(id=name, created=created, root=model_info.root,
-                           max_model_len=model_info.max_model_len)
-                 for name in model_info.served_model_names]
+        cards = served_models.model_cards(int(time.time()))
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/health")
@@ -282,8 +291,27 @@ def build_app(llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
         check_operator(authenticate(raw_request))
         wait = _query_flag(raw_request, "wait")
         abort_running = _query_flag(raw_request, "abort_running")
-        success = await llm.reset_prefix_cache(wait=wait, abort_running=abort_running)
+        reset_kv_tier = _query_flag(raw_request, "reset_kv_tier")
+        success = await llm.reset_prefix_cache(wait=wait, abort_running=abort_running,
+                                               reset_kv_tier=reset_kv_tier)
         return JSONResponse({"success": success})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        check_operator(authenticate(raw_request))
+        body = await _parse_body(raw_request, LoadLoRAAdapterRequest,
+                                 server_args.max_json_depth)
+        message = await served_models.load_lora_adapter(body.lora_name, body.lora_path,
+                                                        body.load_inplace)
+        return Response(message, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        check_operator(authenticate(raw_request))
+        body = await _parse_body(raw_request, UnloadLoRAAdapterRequest,
+                                 server_args.max_json_depth)
+        message = await served_models.unload_lora_adapter(body.lora_name)
+        return Response(message, media_type="text/plain")
 
     app.add_middleware(EdgeLimitsMiddleware, server_args=server_args)
     return app

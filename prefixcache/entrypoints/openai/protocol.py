@@ -243,6 +243,22 @@ class ChatCompletionRequest(GenerationRequest):
 # ---- responses -----------------------------------------------------------------------
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and
+    unused: the name says which adapter)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -357,6 +373,7 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str = "prefixcache"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

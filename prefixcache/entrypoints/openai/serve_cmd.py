@@ -15,6 +15,7 @@ the already-listening sockets.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -22,6 +23,7 @@ from prefixcache.config import DEFAULT_MODEL_NAME
 from prefixcache.engine.arg_utils import EngineArgs, KVEventsArgs
 from prefixcache.entrypoints.openai.listen import host_port, listen_sockets, os_error_reason
 from prefixcache.entrypoints.openai.server_args import ServerArgs
+from prefixcache.lora.modules import number_lora_modules
 
 logger = logging.getLogger("prefixcache.serve")
 
@@ -30,7 +32,7 @@ Serve a model over an OpenAI-compatible HTTP API with automatic prefix caching.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, n, max_tokens,
 temperature, top_p, seed, stop, cache_salt), GET /v1/models, GET /health, GET /metrics
-(Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true].
+(Prometheus), POST /reset_prefix_cache[?wait=true|abort_running=true|reset_kv_tier=true].
 
 Every response's usage.prompt_tokens_details.cached_tokens counts the prompt tokens
 served from the prefix cache (with n > 1: per prompt, the least over its n choices).
@@ -39,6 +41,12 @@ With --api-key-file, every request needs 'Authorization: Bearer <key>' and each 
 tenant gets its own prefix-cache partition, whatever cache_salt its requests carry.
 /reset_prefix_cache is an operator endpoint: with --admin-api-key only that key may call
 it; with tenants and no admin key, nobody may.
+
+With --enable-lora, a request whose "model" is a LoRA adapter's name runs with that
+adapter; /v1/models lists the adapters (parent: the base model), and the operator
+endpoints POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+POST /v1/unload_lora_adapter {"lora_name"} change them at run time. Adapters never share
+cached KV blocks with each other or with the base model.
 
 Slow, oversized and hostile requests are refused at the edge (408, 413, 414, 431, 400)
 with the limits below; --max-requests-per-tenant answers 429 with Retry-After.
@@ -49,6 +57,7 @@ examples:
   prefixcache serve                                   # the default SmolLM2-135M-Instruct
   prefixcache serve ./my-hf-model --port 8080 --served-model-name mine
   prefixcache serve --api-key-file keys.txt --kv-events-endpoint tcp://127.0.0.1:5557
+  prefixcache serve ./my-hf-model --max-loras 4 --lora-modules sql=./sql poet=./poet
 """
 
 
@@ -90,6 +99,18 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = served_model_names(server_args, args.model)
     try:
+        lora_modules = tuple(number_lora_modules(server_args.lora_modules or ()))
+    except ValueError as exc:
+        print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 2
+    clashes = [m.lora_name for m in lora_modules if m.lora_name in names]
+    if clashes:
+        print(f"prefixcache serve: LoRA adapter name {clashes[0]!r} is also a served model "
+              "name", file=sys.stderr)
+        return 2
+    if lora_modules:
+        args.enable_lora = True
+    try:
         authenticator = _authenticator(server_args)
     except (OSError, ValueError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
@@ -103,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
               f"{os_error_reason(exc)}", file=sys.stderr)
         return 2
     try:
-        return _run_engine(args, names, authenticator, server_args, sockets)
+        return _run_engine(args, names, authenticator, server_args, sockets, lora_modules)
     finally:
         # uvicorn closes them on a clean shutdown; every other way out lands here.
         for sock in sockets:
@@ -128,7 +149,7 @@ def _authenticator(server_args: ServerArgs):
 
 
 def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
-                server_args: ServerArgs, sockets: list) -> int:
+                server_args: ServerArgs, sockets: list, lora_modules: tuple) -> int:
     import zmq
 
     from prefixcache.engine.async_llm import AsyncLLM
@@ -143,18 +164,26 @@ def _run_engine(args: argparse.Namespace, names: tuple[str, ...], authenticator,
         print(f"prefixcache serve: cannot open a KV events endpoint: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(engine_args, names, llm, authenticator, server_args, sockets)
+        for lora_request in lora_modules:
+            try:
+                asyncio.run(llm.add_lora(lora_request))
+            except ValueError as exc:  # a LoRAError: missing folder, unusable adapter
+                print(f"prefixcache serve: {exc}", file=sys.stderr)
+                return 2
+        return _serve(engine_args, names, llm, authenticator, server_args, sockets,
+                      lora_modules)
     finally:
         llm.shutdown()
 
 
 def _serve(engine_args: EngineArgs, names: tuple[str, ...], llm, authenticator,
-           server_args: ServerArgs, sockets: list) -> int:
+           server_args: ServerArgs, sockets: list, lora_modules: tuple) -> int:
     import uvicorn
 
     from prefixcache.entrypoints.openai.api_server import build_app
     from prefixcache.entrypoints.openai.http_protocol import h11_buffer_bytes, protocol_factory
     from prefixcache.entrypoints.openai.serving import ModelInfo
+    from prefixcache.entrypoints.openai.serving_models import ServedModels
     from prefixcache.entrypoints.openai.uvicorn_server import UvicornServer
 
     engine = llm.engine
@@ -162,7 +191,10 @@ def _serve(engine_args: EngineArgs, names: tuple[str, ...], llm, authenticator,
                            root=str(engine_args.model or DEFAULT_MODEL_NAME),
                            max_model_len=engine.max_model_len,
                            num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size)
-    app = build_app(llm, engine.tokenizer, model_info, authenticator, server_args)
+    served_models = ServedModels(llm, names, model_info.root, engine.max_model_len,
+                                 lora_modules, engine_args.enable_lora)
+    app = build_app(llm, engine.tokenizer, model_info, authenticator, server_args,
+                    served_models)
     head_bytes = server_args.h11_max_incomplete_event_size
     log_level = server_args.uvicorn_log_level
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,

@@ -41,6 +41,8 @@ from prefixcache.engine.option_fields import (
     is_str,
     option,
 )
+from prefixcache.lora.modules import lora_module
+from prefixcache.lora.request import LoRARequest
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LIMITS_GROUP = "limits, roles and shutdown (every refusal is an OpenAI-style error)"
@@ -61,6 +63,11 @@ def _is_port(value: Any) -> bool:
 def _are_model_names(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 \
         and all(map(is_non_blank_str, value))
+
+
+def _are_lora_modules(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 \
+        and all(isinstance(module, LoRARequest) for module in value)
 
 
 def _size(default: int, *flags: str, help: str) -> Any:
@@ -126,6 +133,13 @@ class ServerArgs(DeclaredOptions):
     uvicorn_log_level: str = option(
         "warning", "--uvicorn-log-level", choices=LOG_LEVELS,
         help="uvicorn's own logs, access log included at info")
+    lora_modules: list[LoRARequest] | None = option(
+        None, "--lora-modules", nargs="+", accepts=_are_lora_modules,
+        wanted="a list of LoRARequest", parse=lora_module, metavar="NAME=PATH",
+        default_text="none",
+        help="LoRA adapters (PEFT folders) to serve from the start, each as NAME=PATH or "
+             "JSON {\"name\": ..., \"path\": ...}; clients ask for one by its NAME as the "
+             "model; implies --enable-lora")
 
     admin_api_key: str | None = option(
         None, "--admin-api-key", accepts=is_non_blank_str, wanted="a non-blank key",

@@ -10,6 +10,8 @@ model name (404), the prompt against the context and the KV pool, and ``max_toke
 against what the context leaves. The engine re-checks; its refusal
 (:class:`~prefixcache.engine.errors.InvalidRequestError`) is a 400 too, naming the prompt
 it is about rather than the internal request id.
+
+A request whose ``model`` names a LoRA adapter runs with it (see ``serving_models``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ from prefixcache.entrypoints.openai.protocol import (
     now_s,
     random_id,
 )
+from prefixcache.entrypoints.openai.serving_models import ServedModels, lora_api_error
 from prefixcache.entrypoints.openai.worker_pool import TokenizerPool
+from prefixcache.lora.errors import LoRAError
+from prefixcache.lora.request import LoRARequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -114,11 +119,16 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, tokenizer: Any, model_info: ModelInfo,
-                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None) -> None:
+                 metrics: ServerMetrics, tokenizer_pool: TokenizerPool | None = None,
+                 served_models: ServedModels | None = None) -> None:
+        """``served_models``: the base model's names and the adapters (default: the
+        base model's names alone)."""
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.metrics = metrics
+        self.served_models = served_models or ServedModels(
+            llm, model_info.served_model_names, model_info.root, model_info.max_model_len)
         # Large prompts are tokenized off the event loop (see worker_pool).
         self.tokenizer_pool = tokenizer_pool or TokenizerPool(1)
 
@@ -127,11 +137,11 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest,
                                 cache_salt: str | None) -> CompletionResponse | EventStream:
         arrival_time = time.time()
-        model = self._check_model(request.model)
+        model, lora_request = self.served_models.resolve(request.model)
         prompts_token_ids = [await self._encode_prompt(p) for p in request.prompts()]
         max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         run, stream = await self._start(request, prompts_token_ids, max_tokens, cache_salt,
-                                        "cmpl", model, arrival_time)
+                                        "cmpl", model, arrival_time, lora_request)
         if request.stream:
             return EventStream(self._stream_events(run, stream, request.include_usage_in_stream,
                                                    self._completion_chunks), stream.abort)
@@ -146,14 +156,14 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, cache_salt: str | None
     ) -> ChatCompletionResponse | EventStream:
         arrival_time = time.time()
-        model = self._check_model(request.model)
+        model, lora_request = self.served_models.resolve(request.model)
         prompt_token_ids = await self._render_chat(request)
         # Chat has no default cap in OpenAI's API: the context's remainder is the limit.
         max_tokens = request.requested_max_tokens
         if max_tokens is None:
             max_tokens = max(self.model_info.max_model_len - len(prompt_token_ids), 1)
         run, stream = await self._start(request, [prompt_token_ids], max_tokens, cache_salt,
-                                        "chatcmpl", model, arrival_time)
+                                        "chatcmpl", model, arrival_time, lora_request)
         if request.stream:
             return EventStream(self._stream_events(run, stream, request.include_usage_in_stream,
                                                    self._chat_chunks), stream.abort)
@@ -165,15 +175,6 @@ class OpenAIServing:
                                       choices=choices, usage=run.usage())
 
     # ---- request side ------------------------------------------------------------------
-
-    def _check_model(self, requested: str | None) -> str:
-        names = self.model_info.served_model_names
-        if requested is None:
-            return names[0]
-        if requested not in names:
-            raise APIError(404, f"the model '{requested}' does not exist; this server "
-                           f"serves {', '.join(names)}", param="model", code="model_not_found")
-        return requested
 
     async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -233,7 +234,8 @@ class OpenAIServing:
 
     async def _start(self, request: GenerationRequest, prompts_token_ids: list[list[int]],
                      max_tokens: int, cache_salt: str | None, id_prefix: str, model: str,
-                     arrival_time: float) -> tuple[_Run, OutputStream]:
+                     arrival_time: float, lora_request: LoRARequest | None = None,
+                     ) -> tuple[_Run, OutputStream]:
         for token_ids in prompts_token_ids:
             self._check_lengths(len(token_ids), max_tokens)
         api_id = random_id(id_prefix)
@@ -246,10 +248,12 @@ class OpenAIServing:
                 request_id_to_index[request_id] = prompt_index * n + choice
                 new_requests.append(NewRequest(
                     request_id, token_ids, self._sampling_params(request, max_tokens, choice),
-                    cache_salt, arrival_time))
+                    cache_salt, arrival_time, lora_request))
         try:
             stream = await self.llm.add_requests(new_requests)
         except InvalidRequestError as exc:
+            if isinstance(exc.__cause__, LoRAError):
+                raise lora_api_error(exc.__cause__, param="model") from exc
             index = request_id_to_index.get(exc.request_id)
             message = exc.message
             if len(prompts_token_ids) > 1 and index is not None:
