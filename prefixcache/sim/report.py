@@ -51,7 +51,7 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
     if state is not None:
         if "classes" in state:
             text += "\n\n" + format_document_liveness(state)
-        elif "candidate_shadow_hits" in state:
+        elif "candidate_hit_shares" in state:
             text += "\n\n" + format_adaptive(state)
         else:
             text += "\n\n" + format_learned_reuse(state)
@@ -60,12 +60,11 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
 
 def format_adaptive(state: dict) -> str:
     """adaptive's choice: the protected share it follows at the end, and each candidate
-    share's decayed hits in its shadow cache."""
-    hits = ", ".join(f"{float(share):.0%}: {num_hits:,.1f}"
-                     for share, num_hits in state["candidate_shadow_hits"].items())
+    share's part of the hits its shadow cache counted (decayed)."""
+    shares = ", ".join(f"{float(share):.0%}: {part:.1%}"
+                       for share, part in state["candidate_hit_shares"].items())
     return (f"adaptive: protected share {state['protected_fraction']:.0%} at the end; "
-            f"shadow hits (decayed, {state['sample_rate']:.1%} of hashes sampled) "
-            f"by share: {hits}")
+            f"shadow hits by candidate share: {shares}")
 
 
 def format_learned_reuse(state: dict) -> str:

@@ -95,7 +95,8 @@ def test_follows_the_protected_share_when_one_offs_flush_a_popular_prefix():
     assert adaptive_hits > 25 * 32  # all but the first few asks hit the whole prefix
     state = queue.policy_state()
     assert state["protected_fraction"] == queue.current_protected_fraction
-    assert set(state["candidate_shadow_hits"]) == {"0.0", "0.5", "0.9"}
+    assert set(state["candidate_hit_shares"]) == {"0.0", "0.5", "0.9"}
+    assert sum(state["candidate_hit_shares"].values()) == pytest.approx(1, abs=1e-3)
 
 
 def test_stays_in_lru_order_when_recency_is_what_matters():

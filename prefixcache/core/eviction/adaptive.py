@@ -165,11 +165,14 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             shadow.forget()
 
     def policy_state(self) -> dict:
-        """The protected share followed, and every candidate's decayed shadow hits."""
+        """The protected share followed, and each candidate's share of the shadows' decayed
+        hits (shares, not counts: the counts scale with the sample, which depends on the
+        pool's size, while the choice depends only on how they compare)."""
+        scores = self.candidate_scores()
+        total = sum(scores.values())
         return {"protected_fraction": self.current_protected_fraction,
-                "sample_rate": self.sample_rate,
-                "candidate_shadow_hits": {str(fraction): round(hits, 3) for fraction, hits
-                                          in self.candidate_scores().items()}}
+                "candidate_hit_shares": {str(fraction): round(hits / total, 4) if total else 0.0
+                                         for fraction, hits in scores.items()}}
 
     def candidate_scores(self) -> dict[float, float]:
         """Each candidate protected fraction's decayed shadow hit count."""
