@@ -5,7 +5,9 @@ a 1024-token prefix (the rest random). Per request: create (which hashes the pro
 blocks) + ``get_computed_blocks`` + ``allocate_slots`` for the prompt + 32 decode steps of
 append-one-token + ``allocate_slots(req, 1)``; a request is freed (FIFO) once more than 16
 are live. Run for every hash algorithm, with caching on and off, collision guard on and off,
-and KV events on and off.
+and KV events on and off. Every registered eviction policy is timed on the same workload
+(sha256, caching on), its runs interleaved with LRU's so that load on a shared machine
+hits both alike, and reported as a ratio to LRU's lifecycle (``eviction_policies``).
 
 For a same-run comparison point, it also times vLLM's hash input encoding (pickle of the
 ``(parent, tokens, extra)`` tuple, then SHA-256) on the same prompts against our ``sha256``
@@ -13,6 +15,7 @@ encoding. vLLM's whole manager cannot be installed here (no CPU wheel); the issu
 ~500 us per lifecycle for it with sha256 on this machine.
 
     python benchmarks/manager_overhead.py [--requests 500] [--repeats 3] [--quick]
+        [--policies lru,adaptive,...]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import time
 from collections import deque
 
-from prefixcache.core import KVCacheManager, Request
+from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
@@ -130,6 +133,24 @@ def best_of(prompts, repeats: int, **manager_kwargs) -> dict:
     return result
 
 
+def eviction_policy_comparison(prompts, repeats: int, policies: list[str]) -> dict:
+    """Each policy's lifecycle cost against LRU's, measured round-robin (every repeat runs
+    every policy once) and keeping each policy's least disturbed run."""
+    policies = ["lru", *[p for p in policies if p != "lru"]]
+    policy_to_runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for _ in range(repeats):
+        for policy in policies:
+            policy_to_runs[policy].append(run_workload(
+                prompts, hash_algo="sha256", hash_seed="bench", eviction_policy=policy))
+    policy_to_mean_us = {
+        p: min(statistics.fmean(run["samples"]["lifecycle"]) for run in runs) / 1000
+        for p, runs in policy_to_runs.items()}
+    lru_us = policy_to_mean_us["lru"]
+    return {p: {"lifecycle_mean_us": round(us, 3), "over_lru": round(us / lru_us, 3),
+                "hit_tokens": policy_to_runs[p][0]["hit_tokens"]}
+            for p, us in policy_to_mean_us.items()}
+
+
 def hash_encoding_comparison(prompts: list[list[int]], repeats: int) -> dict:
     """Our sha256 hashing of every prompt vs. vLLM-style pickle+sha256, same chains."""
     from prefixcache.core import BlockHasher
@@ -172,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs per configuration; the least disturbed one is reported")
     parser.add_argument("--quick", action="store_true",
                         help="only sha256 with caching on, guard and events off")
+    parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),
+                        help="eviction policies to time against lru (comma-separated)")
     args = parser.parse_args(argv)
     prompts = make_prompts(args.requests)
 
@@ -215,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "expected_hit_tokens": expected_hit_tokens,
         "hit_tokens_as_expected": hit_counts == {expected_hit_tokens},
         "hash_encoding_vs_vllm_style": hash_encoding_comparison(prompts[:200], args.repeats),
+        "eviction_policies": eviction_policy_comparison(
+            prompts, args.repeats, args.policies.split(",")),
         "results": results,
     }
     print(json.dumps(report, indent=1))

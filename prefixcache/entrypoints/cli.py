@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.generate_cmd",
     "prefixcache.entrypoints.openai.serve_cmd",
     "prefixcache.entrypoints.replay_cmd",
+    "prefixcache.entrypoints.synth_cmd",
 ]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports a Ctrl-C

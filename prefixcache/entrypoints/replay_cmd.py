@@ -93,6 +93,7 @@ def _policy_list(text: str) -> list[str]:
 
 
 def register(subparsers) -> None:
+    from prefixcache.core import EVICTION_POLICIES
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,9 +109,8 @@ def register(subparsers) -> None:
                         metavar="B", help="tokens per block (default %(default)s; must divide "
                                           "512 for Mooncake traces)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
-                        help="eviction policies: lru (default), unhashed-first, 2q, "
-                             "learned-reuse, document-liveness, or 'online' for all of "
-                             "these; offline: belady, "
+                        help=f"eviction policies: {', '.join(EVICTION_POLICIES)} (lru "
+                             "is the default), or 'online' for all of these; offline: belady, "
                              "and the diagnostics dead-first, dead-once-first, "
                              "dead-repeat-first (see above)")
     mode = parser.add_mutually_exclusive_group()

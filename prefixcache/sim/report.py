@@ -49,9 +49,22 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     state = result.policy_state
     if state is not None:
-        text += "\n\n" + (format_document_liveness(state) if "classes" in state
-                           else format_learned_reuse(state))
+        if "classes" in state:
+            text += "\n\n" + format_document_liveness(state)
+        elif "candidate_hit_shares" in state:
+            text += "\n\n" + format_adaptive(state)
+        else:
+            text += "\n\n" + format_learned_reuse(state)
     return text
+
+
+def format_adaptive(state: dict) -> str:
+    """adaptive's choice: the protected share it follows at the end, and each candidate
+    share's part of the hits its shadow cache counted (decayed)."""
+    shares = ", ".join(f"{float(share):.0%}: {part:.1%}"
+                       for share, part in state["candidate_hit_shares"].items())
+    return (f"adaptive: protected share {state['protected_fraction']:.0%} at the end; "
+            f"shadow hits by candidate share: {shares}")
 
 
 def format_learned_reuse(state: dict) -> str:

@@ -53,8 +53,15 @@ def test_online_stands_for_every_online_policy_in_order_without_repeats(small_tr
     runs = replay_to_json(small_trace, tmp_path, 500, "2q,online,belady")["runs"]
     policies = [run["policy"] for run in runs]
     assert policies == ["2q", "lru", "unhashed-first", "learned-reuse", "document-liveness",
-                        "belady"]
+                        "adaptive", "belady"]
     assert set(policies) == {*EVICTION_POLICIES, "belady"}
+
+
+def test_adaptive_replay_shows_the_share_it_follows(small_trace, tmp_path, capsys):
+    (run,) = replay_to_json(small_trace, tmp_path, 1000, "adaptive")["runs"]
+    text = capsys.readouterr().out
+    share = run["policy_state"]["protected_fraction"]
+    assert f"adaptive: protected share {share:.0%} at the end" in text
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):

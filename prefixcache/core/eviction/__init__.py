@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
 from prefixcache.core.eviction.base import FreeKVCacheBlockQueue
 from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.core.eviction.learned_reuse import (
@@ -40,6 +41,7 @@ EVICTION_POLICIES: dict[str, type[FreeKVCacheBlockQueue]] = {
         TwoQueueFreeBlockQueue,
         LearnedReuseFreeBlockQueue,
         DocumentLivenessFreeBlockQueue,
+        AdaptiveFreeBlockQueue,
     )
 }
 DEFAULT_EVICTION_POLICY = LRUFreeBlockQueue.policy_name
@@ -72,6 +74,7 @@ def describe_eviction_policies() -> str:
 
 
 __all__ = [
+    "AdaptiveFreeBlockQueue",
     "DEFAULT_EVICTION_POLICY",
     "EVICTION_POLICIES",
     "DocumentLivenessFreeBlockQueue",

@@ -1,0 +1,220 @@
+"""Eviction policies on the workload suite and the shared trace. Prints JSON.
+
+For each synthetic family (``prefixcache synth``, seeded) and the shared Mooncake trace:
+a sweep at block size 512 (sequential, one live request, decode slots reserved) over
+capacities of 2 % to 100 % of the infinite-cache working set (the trace's distinct full
+blocks), with every online policy, Belady's offline optimum and the infinite cache. Per
+trace it reports where the LRU->Belady gap is widest, the share of it ``adaptive`` closes
+there, the least ``adaptive - lru`` over the sweep (points), and the replay time of
+``adaptive`` against ``lru``'s summed over the sweep.
+
+Leave-one-trace-out validation of ``adaptive``'s one size constant, the number of
+entries per shadow cache (``shadow_entries``): ``adaptive`` is replayed on every trace with
+each value of ``--lofo-shadow-entries``; for each trace left out, the value with the best
+mean score on the *other* traces is chosen (score: the share of the widest gap closed,
+minus 1 for every capacity more than 0.2 points below LRU), and the left-out trace's
+figures under that value are reported (``leave_one_out``).
+
+    python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
+        [--families chat,rag,...] [--trace PATH] [--quick]
+        [--lofo-shadow-entries 256,512,1024]
+    python benchmarks/eviction_suite.py --combine PART.json PART.json ...
+
+``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
+be measured by separate processes; ``--combine`` then merges their outputs into one, with
+the summary and the leave-one-out check over all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from prefixcache.core import EVICTION_POLICIES
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.sweep import sweep
+from prefixcache.sim.trace import load_trace
+from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
+    / "synthetic_trace.jsonl"
+CAPACITY_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
+QUICK_FRACTIONS = (0.05, 0.2, 0.5)
+
+
+LOFO_TOLERANCE_POINTS = 0.2
+
+
+def adaptive_figures(lru: list[float], belady: list[float], adaptive: list[float]) -> dict:
+    """At the widest LRU->Belady gap, the share ``adaptive`` closes; and its least
+    difference to LRU over the sweep, in points."""
+    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
+    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    return {
+        "fraction_of_gap_closed": round((adaptive[widest] - lru[widest]) / gaps[widest], 4)
+        if gaps[widest] > 0 else None,
+        "min_minus_lru_points": round(
+            100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
+    }
+
+
+def lofo_score(figures: dict) -> float:
+    closed = figures["fraction_of_gap_closed"] or 0.0
+    return closed - (figures["min_minus_lru_points"] < -LOFO_TOLERANCE_POINTS)
+
+
+def leave_one_out(per_value: dict[int, dict[str, dict]]) -> dict:
+    """For each trace, the shadow size best on the others, and the trace's figures under
+    it (``per_value[value][trace]`` holds :func:`adaptive_figures`)."""
+    traces = list(next(iter(per_value.values())))
+    report = {}
+    for left_out in traces:
+        others = [t for t in traces if t != left_out]
+        chosen = max(per_value, key=lambda value: sum(
+            lofo_score(per_value[value][t]) for t in others) / max(1, len(others)))
+        report[left_out] = {"chosen_shadow_entries": chosen, **per_value[chosen][left_out]}
+    return report
+
+
+def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
+             lofo_values: list[int]) -> dict:
+    prepared = prepare_trace(load_trace(path), TraceExpander(512))
+    working_set = len({h for hashes in prepared.block_hashes for h in hashes})
+    capacities = sorted({max(1, round(f * working_set)) for f in fractions})
+    result = sweep(prepared, capacities, policies)
+    adaptive_class = EVICTION_POLICIES["adaptive"]
+    default_entries = adaptive_class.shadow_entries
+    shadow_entries_to_rates = {default_entries: result.policy_to_hit_rates["adaptive"]}
+    for value in lofo_values:
+        if value not in shadow_entries_to_rates:
+            adaptive_class.shadow_entries = value
+            try:
+                shadow_entries_to_rates[value] = sweep(
+                    prepared, capacities, ["adaptive"], with_belady=False
+                ).policy_to_hit_rates["adaptive"]
+            finally:
+                adaptive_class.shadow_entries = default_entries
+    rates = result.policy_to_hit_rates
+    lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
+    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
+    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    seconds = {p: sum(r.replay_seconds for r in result.runs if r.policy == p)
+               for p in ("lru", "adaptive")}
+    return {
+        "num_requests": len(prepared.requests),
+        "working_set_blocks": working_set,
+        "capacities_blocks": capacities,
+        "infinite_hit_rate": round(result.infinite_hit_rate, 5),
+        "belady_hit_rates": [round(r, 5) for r in belady],
+        "policy_hit_rates": {p: [round(r, 5) for r in v] for p, v in rates.items()},
+        "ordering_violations": result.ordering_violations,
+        "widest_gap": {
+            "capacity_blocks": capacities[widest],
+            "lru": round(lru[widest], 5),
+            "belady": round(belady[widest], 5),
+            "adaptive": round(adaptive[widest], 5),
+            "adaptive_fraction_of_gap_closed":
+                round((adaptive[widest] - lru[widest]) / gaps[widest], 4)
+                if gaps[widest] > 0 else None,
+        },
+        "min_adaptive_minus_lru_points": round(
+            100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
+        "replay_seconds": {p: round(s, 2) for p, s in seconds.items()},
+        "adaptive_over_lru_replay_time": round(seconds["adaptive"] / seconds["lru"], 2),
+        "adaptive_by_shadow_entries": {
+            str(value): {"hit_rates": [round(r, 5) for r in rates],
+                    **adaptive_figures(lru, belady, rates)}
+            for value, rates in sorted(shadow_entries_to_rates.items())},
+    }
+
+
+def add_summary(output: dict) -> None:
+    """The per-trace headline figures and, with more than one shadow size, the
+    leave-one-out check, from ``output["traces"]``."""
+    traces = output["traces"]
+    output["summary"] = {
+        name: {"adaptive_fraction_of_widest_gap_closed":
+               t["widest_gap"]["adaptive_fraction_of_gap_closed"],
+               "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
+               "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
+        for name, t in traces.items()}
+    values = sorted({*output["lofo_shadow_entries"], output["adaptive_shadow_entries"]})
+    if len(values) > 1 and len(traces) > 1:
+        output["leave_one_out"] = leave_one_out(
+            {value: {name: t["adaptive_by_shadow_entries"][str(value)]
+                     for name, t in traces.items()} for value in values})
+
+
+def combine(paths: list[Path]) -> int:
+    """Merge the traces of several outputs (same settings) and summarise them together."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    output = {key: value for key, value in parts[0].items()
+              if key not in ("traces", "summary", "leave_one_out")}
+    output["traces"] = {name: t for part in parts for name, t in part["traces"].items()}
+    add_summary(output)
+    json.dump(output, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES))
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE),
+                        help="the shared Mooncake trace ('' or missing: skipped)")
+    parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
+    parser.add_argument("--shadow-entries", type=int, default=None,
+                        help="replay adaptive with this many shadow entries instead")
+    parser.add_argument("--quick", action="store_true", help="three capacities only")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="PART",
+                        help="merge the outputs of earlier runs instead of measuring")
+    parser.add_argument("--lofo-shadow-entries", default="256,512,1024",
+                        help="shadow sizes for the leave-one-trace-out check ('' to skip)")
+    args = parser.parse_args()
+    if args.combine:
+        return combine(args.combine)
+    if args.shadow_entries is not None:
+        EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
+    policies = args.policies.split(",")
+    if "lru" not in policies or "adaptive" not in policies:
+        parser.error("--policies must include lru and adaptive")
+    fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
+    lofo_values = [int(v) for v in args.lofo_shadow_entries.split(",") if v]
+    traces: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in filter(None, args.families.split(",")):
+            path = Path(tmp) / f"{family}.jsonl"
+            with path.open("w") as handle:
+                write_trace(generate_requests(family, args.seed, args.num_requests), handle,
+                            "mooncake", args.seed)
+            traces[family] = evaluate(path, fractions, policies, lofo_values)
+            print(f"{family}: done", file=sys.stderr)
+    if args.trace and Path(args.trace).exists():
+        traces["shared"] = evaluate(Path(args.trace), fractions, policies, lofo_values)
+    output = {
+        "date": datetime.date.today().isoformat(),
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "block_size": 512,
+        "mode": "sequential, concurrency 1, decode slots reserved",
+        "seed": args.seed,
+        "capacity_fractions_of_working_set": fractions,
+        "adaptive_shadow_entries": EVICTION_POLICIES["adaptive"].shadow_entries,
+        "lofo_shadow_entries": lofo_values,
+        "traces": traces,
+    }
+    add_summary(output)
+    json.dump(output, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""``prefixcache synth``: write a synthetic request trace of one workload family."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from prefixcache.arg_types import non_negative_int, positive_int
+
+DESCRIPTION = """\
+Write a synthetic request trace in one of the shapes serving traffic takes, to replay
+(`prefixcache replay`) or to judge eviction policies on. The same family, seed and
+parameters always give the same trace.
+
+Families (parameters and defaults: docs/workloads.md, or --list-params FAMILY):
+  chat      multi-turn conversations: each turn's prompt extends the previous one by its
+            answer and a new message; users think between turns
+  rag       questions about documents of Zipf popularity, some with follow-ups
+  agent     agent sessions: a long shared tool context, extended step by step by actions
+            and tool observations
+  tenants   many tenants of Zipf popularity, each with its own system prompt; mostly
+            one-off inputs, some follow-ups
+  mixture   all of the above, with the families' shares and popularities drifting
+
+Formats:
+  mooncake   {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}
+             one hash id per 512-token block; equal ids mean equal content
+  token-ids  {"timestamp": ms, "prompt_token_ids": [...], "output_length": m}
+             (large: every prompt token is written)
+
+Example:
+  prefixcache synth chat --seed 1 --num-requests 2000 -o chat.jsonl
+  prefixcache synth rag --seed 1 --num-requests 2000 --param zipf_s=1.2 -o rag.jsonl
+  prefixcache replay chat.jsonl --block-size 512 --sweep 200,400,800 --policy online
+"""
+
+
+# Parameters for which 0 means something (never); every other count, length and rate must
+# be positive.
+_MAY_BE_ZERO = {"follow_up_probability", "popularity_drift_every"}
+
+
+def _param(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
+    """``--param`` pairs as typed values of the family's fields; ValueError if unknown
+    or of the wrong type."""
+    from prefixcache.sim.workloads import WORKLOAD_FAMILIES
+
+    fields = {f.name: f for f in dataclasses.fields(WORKLOAD_FAMILIES[family])}
+    params = {}
+    for name, text in pairs:
+        if name not in fields:
+            raise ValueError(f"{family} has no parameter {name!r}; its parameters: "
+                             f"{', '.join(sorted(fields))}")
+        default = getattr(WORKLOAD_FAMILIES[family](), name)
+        if isinstance(default, bool) or not isinstance(default, (int, float)):
+            raise ValueError(f"{name} cannot be set from the command line")
+        try:
+            value = type(default)(text)
+        except ValueError:
+            raise ValueError(f"{name} must be {type(default).__name__}, got {text!r}") \
+                from None
+        if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
+            raise ValueError(f"{name} must be {'>= 0' if name in _MAY_BE_ZERO else '> 0'}, "
+                             f"got {text!r}")
+        params[name] = value
+    return params
+
+
+def _run(args: argparse.Namespace) -> int:
+    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
+
+    if args.list_params:
+        workload = WORKLOAD_FAMILIES[args.family]()
+        print(json.dumps({f.name: getattr(workload, f.name)
+                          for f in dataclasses.fields(workload)
+                          if not dataclasses.is_dataclass(getattr(workload, f.name))},
+                         indent=1))
+        return 0
+    if args.num_requests is None:
+        print("prefixcache synth: error: --num-requests is required", file=sys.stderr)
+        return 2
+    try:
+        params = _convert_params(args.family, args.param)
+        requests = generate_requests(args.family, args.seed, args.num_requests, **params)
+    except ValueError as exc:
+        print(f"prefixcache synth: error: {exc}", file=sys.stderr)
+        return 2
+    if args.output == "-":
+        write_trace(requests, sys.stdout, args.format, args.seed)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            write_trace(requests, handle, args.format, args.seed)
+    except OSError as exc:
+        print(f"prefixcache synth: error: cannot write {args.output}: {exc.strerror}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {len(requests)} {args.family} requests to {args.output}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    from prefixcache.sim.workloads import TRACE_FORMATS, WORKLOAD_FAMILIES
+
+    parser = subparsers.add_parser(
+        "synth", help="write a synthetic request trace (chat, rag, agent, tenants, mixture)",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=list(WORKLOAD_FAMILIES), help="workload family")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="random seed (default %(default)s)")
+    parser.add_argument("--num-requests", type=positive_int, metavar="N",
+                        help="number of requests to write (required)")
+    parser.add_argument("-o", "--output", default="-", metavar="FILE",
+                        help="output file (default: standard output)")
+    parser.add_argument("--format", choices=TRACE_FORMATS, default="mooncake",
+                        help="trace format (default %(default)s)")
+    parser.add_argument("--param", type=_param, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="override one of the family's numeric parameters; repeatable")
+    parser.add_argument("--list-params", action="store_true",
+                        help="print the family's parameters and defaults as JSON, and exit")
+    parser.set_defaults(func=_run)

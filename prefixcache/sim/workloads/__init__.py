@@ -1,0 +1,69 @@
+"""Synthetic workload families: traces in the shapes serving traffic takes, for judging
+eviction policies on more than one trace (``prefixcache synth``; docs/workloads.md).
+
+Each family is a frozen dataclass of documented parameters with
+``generate(num_requests, rng) -> list[SyntheticRequest]``; :func:`generate_requests` runs
+one by name and seed, and :func:`~prefixcache.sim.workloads.synthetic_request.write_trace`
+writes the result in the Mooncake or token-id format the replayer reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from prefixcache.sim.workloads.agent import AgentWorkload
+from prefixcache.sim.workloads.chat import ChatWorkload
+from prefixcache.sim.workloads.mixture import MixtureWorkload
+from prefixcache.sim.workloads.rag import RAGWorkload
+from prefixcache.sim.workloads.synthetic_request import (
+    BlockIdInterner,
+    SyntheticRequest,
+    write_trace,
+)
+from prefixcache.sim.workloads.tenants import TenantsWorkload
+
+WORKLOAD_FAMILIES = {family.name: family for family in
+                     (ChatWorkload, RAGWorkload, AgentWorkload, TenantsWorkload,
+                      MixtureWorkload)}
+TRACE_FORMATS = ("mooncake", "token-ids")
+
+
+def make_workload(family: str, **params):
+    """The workload of ``family`` with ``params`` overriding its defaults. Raises
+    ValueError for an unknown family or parameter."""
+    try:
+        workload_class = WORKLOAD_FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown workload family {family!r}; choose one of "
+                         f"{', '.join(WORKLOAD_FAMILIES)}") from None
+    known = {f.name for f in dataclasses.fields(workload_class)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"{family} has no parameter {', '.join(unknown)}; its parameters: "
+                         f"{', '.join(sorted(known))}")
+    return workload_class(**params)
+
+
+def generate_requests(family: str, seed: int, num_requests: int,
+                      **params) -> list[SyntheticRequest]:
+    """``num_requests`` requests of ``family``, a pure function of the arguments."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    return make_workload(family, **params).generate(num_requests, random.Random(seed))
+
+
+__all__ = [
+    "TRACE_FORMATS",
+    "WORKLOAD_FAMILIES",
+    "AgentWorkload",
+    "BlockIdInterner",
+    "ChatWorkload",
+    "MixtureWorkload",
+    "RAGWorkload",
+    "SyntheticRequest",
+    "TenantsWorkload",
+    "generate_requests",
+    "make_workload",
+    "write_trace",
+]

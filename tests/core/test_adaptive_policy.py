@@ -1,0 +1,159 @@
+"""``adaptive``: a segmented LRU whose protected share follows sampled shadow caches."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from prefixcache.core.eviction.adaptive import (
+    CANDIDATE_PROTECTED_FRACTIONS,
+    AdaptiveFreeBlockQueue,
+    ShadowSegmentedLRU,
+)
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.replay import ReplayConfig, replay
+from prefixcache.sim.trace import load_trace
+from prefixcache.sim.workloads import generate_requests, write_trace
+
+BLOCK_SIZE = 4
+
+
+def test_registered():
+    assert EVICTION_POLICIES["adaptive"] is AdaptiveFreeBlockQueue
+
+
+def test_unprotected_shadow_is_lru_over_hashes():
+    shadow = ShadowSegmentedLRU(3, 0.0)
+    for block_hash in (b"a", b"b", b"c", b"d"):  # "a" is the oldest: evicted for "d"
+        shadow.access([block_hash])
+    shadow.access([b"a"])
+    assert shadow.num_hits == 0
+    shadow.access([b"c", b"d"])
+    assert shadow.num_hits == 2
+    assert not shadow.protected
+
+
+def test_protected_shadow_keeps_reused_hashes_through_a_scan():
+    lru, segmented = ShadowSegmentedLRU(4, 0.0), ShadowSegmentedLRU(4, 0.5)
+    for shadow in (lru, segmented):
+        shadow.access([b"p"])
+        shadow.access([b"p"])  # referenced again: protected in the segmented shadow
+        shadow.access([b"x1", b"x2", b"x3", b"x4"])  # a one-off scan as big as the cache
+        shadow.access([b"p"])
+    assert (lru.num_hits, segmented.num_hits) == (1, 2)
+
+
+def make_manager(num_blocks: int) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BLOCK_SIZE, eviction_policy="adaptive")
+
+
+def run_prompt(manager: KVCacheManager, request_id: str, token_ids: list[int]) -> int:
+    """Look up, allocate and free one prompt; returns its hit tokens."""
+    request = Request(request_id, token_ids, block_hasher=manager.block_hasher)
+    blocks, num_hit_tokens = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, len(token_ids) - num_hit_tokens, num_hit_tokens,
+                                  blocks) is not None
+    request.num_computed_tokens = len(token_ids)
+    manager.free(request)
+    return num_hit_tokens
+
+
+def test_starts_in_the_design_order():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    assert queue.current_protected_fraction == 0.0
+    assert queue.sample_rate == 1.0  # a pool smaller than the shadows samples everything
+    run_prompt(manager, "a", list(range(9)))  # two full blocks, one partial
+    # As unhashed-first: the partial block first, then the deepest full block.
+    order = [block.block_id for block in queue.get_all_free_blocks()]
+    assert order[0] == 2 and order[-2:] == [1, 0]
+
+
+def popular_prefix_hits(policy: str) -> tuple[int, KVCacheManager]:
+    """A popular 8-block prefix asked for every third request, between one-off prompts
+    of 13 blocks: two one-offs flush the prefix out of 24 blocks in LRU order."""
+    manager = KVCacheManager(24, BLOCK_SIZE, eviction_policy=policy)
+    popular = list(range(1000, 1032))
+    num_popular_hits = 0
+    for i in range(90):
+        if i % 3 == 2:
+            num_popular_hits += run_prompt(manager, f"p{i}", popular + [7])
+        else:
+            run_prompt(manager, f"s{i}", [10_000 * (i + 1) + t for t in range(49)])
+    return num_popular_hits, manager
+
+
+def test_follows_the_protected_share_when_one_offs_flush_a_popular_prefix():
+    lru_hits, _ = popular_prefix_hits("lru")
+    adaptive_hits, manager = popular_prefix_hits("adaptive")
+    queue = manager.block_pool.free_block_queue
+    assert queue.current_protected_fraction > 0
+    scores = queue.candidate_scores()
+    assert scores[queue.current_protected_fraction] > scores[0.0]
+    assert lru_hits == 0
+    assert adaptive_hits > 25 * 32  # all but the first few asks hit the whole prefix
+    state = queue.policy_state()
+    assert state["protected_fraction"] == queue.current_protected_fraction
+    assert set(state["candidate_hit_shares"]) == {"0.0", "0.5", "0.9"}
+    assert sum(state["candidate_hit_shares"].values()) == pytest.approx(1, abs=1e-3)
+
+
+def test_stays_in_lru_order_when_recency_is_what_matters():
+    manager = make_manager(40)
+    queue = manager.block_pool.free_block_queue
+    lru_manager = KVCacheManager(40, BLOCK_SIZE, eviction_policy="lru")
+    # Every document is asked about twice, five documents apart, and never again:
+    # protecting what was reused only keeps dead content, while LRU holds every revisit.
+    num_hits = {"adaptive": 0, "lru": 0}
+    for i in range(120):
+        for name, target in (("adaptive", manager), ("lru", lru_manager)):
+            document = [1000 * i + t for t in range(8)]
+            run_prompt(target, f"new{i}", document + [1])
+            if i >= 5:
+                num_hits[name] += run_prompt(target, f"again{i}",
+                                             [1000 * (i - 5) + t for t in range(8)] + [2])
+    assert queue.current_protected_fraction == 0.0
+    assert num_hits["adaptive"] == num_hits["lru"] == 115 * 8
+
+
+@pytest.mark.parametrize("family", ["chat", "rag", "agent", "tenants", "mixture"])
+def test_never_far_below_lru_on_small_generated_traces(family, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests(family, 7, 200), handle, "mooncake", 7)
+    prepared = prepare_trace(load_trace(path), TraceExpander(512))
+    for num_blocks in (40, 160, 640):
+        lru = replay(prepared, ReplayConfig(num_blocks, "lru")).hit_rate
+        adaptive = replay(prepared, ReplayConfig(num_blocks, "adaptive")).hit_rate
+        assert adaptive >= lru - 0.002, (num_blocks, lru, adaptive)
+
+
+def test_reset_forgets_shadows_but_keeps_the_choice():
+    manager = make_manager(24)
+    queue = manager.block_pool.free_block_queue
+    queue.leader = len(CANDIDATE_PROTECTED_FRACTIONS) - 1
+    run_prompt(manager, "a", list(range(40)))
+    assert manager.reset_prefix_cache()
+    assert all(not shadow.probation and not shadow.protected and not shadow.ghost
+               for shadow in queue.shadows)
+    assert queue.upper.num_free_blocks == 0
+    assert queue.current_protected_fraction == CANDIDATE_PROTECTED_FRACTIONS[-1]
+
+
+def test_memory_stays_bounded_under_endless_new_content(monkeypatch):
+    monkeypatch.setattr(AdaptiveFreeBlockQueue, "shadow_entries", 8)
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    assert queue.sample_rate == 32 / 256  # 8 of 64 blocks' worth of hashes are sampled
+    for i in range(400):  # 400 distinct prompts of 6 full blocks: 2,400 hashes
+        run_prompt(manager, f"r{i}", [100 * i + t for t in range(25)])
+        if i % 3 == 0:  # and a prompt seen before, so something is protected
+            run_prompt(manager, f"again{i}", [100 * (i // 2) + t for t in range(25)])
+    assert len(queue.ghost) <= 2 * 64
+    for shadow in queue.shadows:
+        assert shadow.capacity == 8
+        assert len(shadow.probation) + len(shadow.protected) <= shadow.capacity
+        assert len(shadow.ghost) <= shadow.capacity
+        assert len(shadow.protected) <= shadow.max_protected
+    assert sum(shadow.num_hits for shadow in queue.shadows) > 0  # the sample saw reuse

@@ -1,0 +1,157 @@
+"""The synthetic workload families: deterministic, valid traces of the shapes they claim."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter, defaultdict
+
+import pytest
+
+from prefixcache.entrypoints.cli import main
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.sweep import infinite_cache_hit_tokens
+from prefixcache.sim.trace import load_trace
+from prefixcache.sim.workloads import (
+    WORKLOAD_FAMILIES,
+    BlockIdInterner,
+    generate_requests,
+    write_trace,
+)
+
+# Small prompts, so the token-id format stays small too.
+SMALL = {
+    "chat": {"system_prompt_tokens": 600, "user_tokens": 150, "output_tokens": 200},
+    "rag": {"num_documents": 40, "document_tokens": 1200},
+    "agent": {"tool_context_tokens": 1500, "observation_tokens": 300},
+    "tenants": {"num_tenants": 30, "system_prompt_tokens": 700, "user_tokens": 200},
+    "mixture": {},
+}
+
+
+def mooncake_lines(family: str, seed: int, num_requests: int) -> list[dict]:
+    buffer = io.StringIO()
+    write_trace(generate_requests(family, seed, num_requests, **SMALL[family]), buffer,
+                "mooncake", seed)
+    return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize("family", WORKLOAD_FAMILIES)
+def test_same_seed_same_trace_other_seed_other_trace(family):
+    assert mooncake_lines(family, 3, 120) == mooncake_lines(family, 3, 120)
+    assert mooncake_lines(family, 3, 120) != mooncake_lines(family, 4, 120)
+
+
+@pytest.mark.parametrize("family", WORKLOAD_FAMILIES)
+def test_both_formats_parse_and_share_the_same_blocks(family, tmp_path):
+    requests = generate_requests(family, 1, 60, **SMALL[family])
+    paths = {}
+    for trace_format in ("mooncake", "token-ids"):
+        paths[trace_format] = tmp_path / f"{trace_format}.jsonl"
+        with paths[trace_format].open("w") as handle:
+            write_trace(requests, handle, trace_format, 1)
+    hits = {}
+    for trace_format, path in paths.items():
+        trace = load_trace(path)
+        assert len(trace.requests) == 60
+        assert [r.input_length for r in trace.requests] == [r.input_length for r in requests]
+        timestamps = [r.timestamp_ms for r in trace.requests]
+        assert timestamps == sorted(timestamps)
+        hits[trace_format] = infinite_cache_hit_tokens(prepare_trace(trace,
+                                                                      TraceExpander(512)))
+    # Mooncake ids and real tokens describe the same sharing: the same full blocks hit.
+    assert hits["mooncake"] == hits["token-ids"] > 0
+
+
+def _by_stream(requests, kind: str):
+    stream_to_requests = defaultdict(list)
+    for request in requests:
+        for stream, _ in request.segments:
+            if stream[0] == kind:
+                stream_to_requests[stream].append(request)
+    return stream_to_requests
+
+
+@pytest.mark.parametrize("family,kind", [("chat", "chat"), ("agent", "agent")])
+def test_each_turn_extends_the_previous_prompt(family, kind):
+    requests = generate_requests(family, 2, 400)
+    interner = BlockIdInterner()
+    request_to_ids = {id(r): interner.hash_ids(r.segments) for r in requests}
+    num_extended = 0
+    for turns in _by_stream(requests, kind).values():
+        for previous, current in zip(turns, turns[1:], strict=False):
+            assert current.segments[0] == previous.segments[0]  # same system / tools
+            grown = current.segments[1][1] - previous.segments[1][1]
+            assert grown > previous.output_length  # the answer and a new message
+            assert current.timestamp_ms >= previous.timestamp_ms
+            full = previous.input_length // 512
+            assert request_to_ids[id(current)][:full] == request_to_ids[id(previous)][:full]
+            num_extended += 1
+    assert num_extended > 100
+
+
+def test_rag_documents_follow_zipf_popularity():
+    requests = generate_requests("rag", 5, 3000, num_documents=200, follow_up_probability=0)
+    counts = Counter(r.segments[1][0] for r in requests)
+    ranked = [count for _, count in counts.most_common()]
+    assert ranked[0] > 10 * ranked[len(ranked) // 2]  # heavy head
+    # Every prompt: the shared instruction prompt, a document, a question of its own.
+    assert len({r.segments[0] for r in requests}) == 1
+    assert len({r.segments[2][0] for r in requests}) == 3000
+
+
+def test_tenants_open_with_their_own_system_prompt():
+    requests = generate_requests("tenants", 5, 2000, num_tenants=50)
+    tenant_to_lengths = defaultdict(set)
+    for request in requests:
+        (kind, tenant), length = request.segments[0]
+        assert kind == "tenant-system"
+        tenant_to_lengths[tenant].add(length)
+    assert 10 < len(tenant_to_lengths) <= 50
+    assert all(len(lengths) == 1 for lengths in tenant_to_lengths.values())
+
+
+def test_popularity_drift_changes_the_favourites():
+    requests = generate_requests("rag", 1, 4000, num_documents=300, zipf_s=1.2,
+                                 follow_up_probability=0, popularity_drift_every=2000)
+    first = Counter(r.segments[1][0] for r in requests[:2000]).most_common(1)[0][0]
+    second = Counter(r.segments[1][0] for r in requests[2000:]).most_common(1)[0][0]
+    assert first != second
+
+
+def test_mixture_holds_every_family_in_shares_that_drift():
+    requests = generate_requests("mixture", 1, 2000, num_phases=4)
+    kinds = [Counter(r.segments[0][0][0] for r in requests[start:start + 500])
+             for start in range(0, 2000, 500)]
+    assert set().union(*kinds) == {"chat-system", "rag-system", "agent-tools",
+                                   "tenant-system"}
+    shares = [k["rag-system"] / 500 for k in kinds]
+    assert max(shares) - min(shares) > 0.05
+
+
+def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
+    out = tmp_path / "chat.jsonl"
+    assert main(["synth", "chat", "--seed", "1", "--num-requests", "50", "-o", str(out),
+                 "--param", "max_turns=3"]) == 0
+    assert len(load_trace(out).requests) == 50
+    assert main(["replay", str(out), "--num-blocks", "100", "--block-size", "512",
+                 "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["synth", "chat", "--num-requests", "5", "--param", "nope=1"], "no parameter 'nope'"),
+    (["synth", "chat", "--num-requests", "5", "--param", "think_time_s=x"], "must be float"),
+    (["synth", "rag", "--num-requests", "5", "--param", "num_documents=0"], "must be > 0"),
+    (["synth", "chat"], "--num-requests is required"),
+])
+def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_synth_help_names_every_family(capsys):
+    with pytest.raises(SystemExit):
+        main(["synth", "--help"])
+    text = capsys.readouterr().out
+    assert all(family in text for family in WORKLOAD_FAMILIES)
