@@ -6,6 +6,7 @@ import random
 
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.sampling_params import SamplingParams
 
 
 def run_to_completion(
@@ -35,6 +36,28 @@ def run_to_completion(
     else:
         raise AssertionError("engine did not finish")
     return finals
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]],
+              params: SamplingParams) -> list[RequestOutput]:
+    """All ``prompts`` added at once and run to completion; their final outputs in order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finals = run_to_completion(engine)
+    return [finals[str(i)] for i in range(len(prompts))]
+
+
+def solo_token_ids(model, prompts: list[list[int]], params: SamplingParams,
+                   block_size: int) -> list[list[int]]:
+    """Each prompt alone on a fresh engine with no prefix cache: the ground truth a
+    batched, cached or preempted run must equal."""
+    outputs = []
+    for prompt in prompts:
+        engine = LLMEngine.from_options(model, enable_prefix_caching=False,
+                                        block_size=block_size, num_kv_blocks=64)
+        engine.add_request("r", prompt, params)
+        outputs.append(run_to_completion(engine)["r"].token_ids)
+    return outputs
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int, low: int = 3) -> list[int]:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from prefixcache.engine.sampling_params import SamplingParams
-from tests.engine.helpers import assert_all_blocks_free, random_tokens, run_to_completion
+from tests.engine.helpers import (
+    assert_all_blocks_free,
+    random_tokens,
+    run_batch,
+    run_to_completion,
+    solo_token_ids,
+)
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -43,22 +49,9 @@ def prompts(tiny_model):
 @pytest.fixture(scope="module")
 def reference(tiny_model, prompts):
     """Each prompt alone on a fresh engine with no prefix cache: the ground truth."""
-    from prefixcache.engine.llm_engine import LLMEngine
-
-    outputs = []
-    for prompt in prompts:
-        engine = LLMEngine.from_options(tiny_model, enable_prefix_caching=False,
-                                        block_size=BLOCK_SIZE, num_kv_blocks=64)
-        engine.add_request("r", prompt, GREEDY)
-        outputs.append(run_to_completion(engine)["r"].token_ids)
-    return outputs
+    return solo_token_ids(tiny_model, prompts, GREEDY, BLOCK_SIZE)
 
 
-def run_batch(engine, prompts):
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
-    finals = run_to_completion(engine)
-    return [finals[str(i)] for i in range(len(prompts))]
 
 
 def test_reference_matches_hugging_face_generate(tiny_model_dir, prompts, reference):
@@ -80,7 +73,7 @@ def test_batch_equals_reference(make_engine, prompts, reference, enable_prefix_c
                                 max_num_batched_tokens):
     engine = make_engine(enable_prefix_caching=enable_prefix_caching, block_size=BLOCK_SIZE,
                          max_num_batched_tokens=max_num_batched_tokens)
-    outputs = run_batch(engine, prompts)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert all(o.finish_reason == "length" for o in outputs)
     stats = engine.get_stats()
@@ -98,7 +91,7 @@ def test_under_preemption_equals_reference(make_engine, prompts, reference,
     # 24 blocks of 4 = 96 token slots; the eight requests need up to 58 tokens each.
     engine = make_engine(enable_prefix_caching=enable_prefix_caching, block_size=BLOCK_SIZE,
                          num_kv_blocks=24, max_num_batched_tokens=16)
-    outputs = run_batch(engine, prompts)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert engine.get_stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == reference
     assert_all_blocks_free(engine)
@@ -107,9 +100,9 @@ def test_under_preemption_equals_reference(make_engine, prompts, reference,
 def test_cached_repeat_equals_reference(make_engine, prompts, reference):
     """Every prompt again after the batch: served mostly from the cache, same tokens."""
     engine = make_engine(block_size=BLOCK_SIZE)
-    run_batch(engine, prompts)
+    run_batch(engine, prompts, GREEDY)
     hits_before = engine.get_stats().prefix_cache_hits
-    outputs = run_batch(engine, prompts)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     for prompt, output in zip(prompts, outputs, strict=True):
         # The whole prompt but its last token is cached, in whole blocks.
@@ -166,7 +159,7 @@ def test_nested_cascade_attention_equals_reference(make_engine, prompts, referen
         return inputs
 
     monkeypatch.setattr(model_runner.ModelRunner, "build_step_inputs", spy)
-    outputs = run_batch(engine, [prompts[i] for i in sharing])
+    outputs = run_batch(engine, [prompts[i] for i in sharing], GREEDY)
     assert [o.token_ids for o in outputs] == [reference[i] for i in sharing]
     assert nested_steps, "no step used a nested group"
     assert_all_blocks_free(engine)

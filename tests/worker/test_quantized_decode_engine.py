@@ -18,7 +18,11 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.model.loader import load_model
 from prefixcache.model.quantized_linear import DecodeQuantizedLinear
-from tests.engine.helpers import assert_all_blocks_free, run_to_completion
+from tests.engine.helpers import (
+    assert_all_blocks_free,
+    run_batch,
+    solo_token_ids,
+)
 from tests.engine.test_greedy_equivalence import make_prompts
 from tests.entrypoints.tiny_model import build_tiny_model
 
@@ -46,20 +50,9 @@ def prompts(quantized_model):
 
 @pytest.fixture(scope="module")
 def reference(quantized_model, prompts):
-    outputs = []
-    for prompt in prompts:
-        engine = LLMEngine.from_options(quantized_model, enable_prefix_caching=False,
-                                        block_size=BLOCK_SIZE, num_kv_blocks=64)
-        engine.add_request("r", prompt, GREEDY)
-        outputs.append(run_to_completion(engine)["r"].token_ids)
-    return outputs
+    return solo_token_ids(quantized_model, prompts, GREEDY, BLOCK_SIZE)
 
 
-def run_batch(engine, prompts):
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
-    finals = run_to_completion(engine)
-    return [finals[str(i)] for i in range(len(prompts))]
 
 
 def make_engine(model, **options):
@@ -83,15 +76,15 @@ def test_batch_and_chunked_prefill_equal_reference(quantized_model, prompts, ref
                                                    enable_prefix_caching):
     engine = make_engine(quantized_model, enable_prefix_caching=enable_prefix_caching,
                          max_num_batched_tokens=16)  # chunks of 16: some dense, some not
-    outputs = run_batch(engine, prompts)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert_all_blocks_free(engine)
 
 
 def test_cached_repeat_equals_reference(quantized_model, prompts, reference):
     engine = make_engine(quantized_model)
-    run_batch(engine, prompts)
-    outputs = run_batch(engine, prompts)
+    run_batch(engine, prompts, GREEDY)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -99,7 +92,7 @@ def test_cached_repeat_equals_reference(quantized_model, prompts, reference):
 
 def test_under_preemption_equals_reference(quantized_model, prompts, reference):
     engine = make_engine(quantized_model, num_kv_blocks=24, max_num_batched_tokens=16)
-    outputs = run_batch(engine, prompts)
+    outputs = run_batch(engine, prompts, GREEDY)
     assert engine.get_stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == reference
     assert_all_blocks_free(engine)
@@ -121,7 +114,7 @@ def test_cascade_attention_equals_reference(quantized_model, prompts, reference,
         return inputs
 
     monkeypatch.setattr(model_runner.ModelRunner, "build_step_inputs", spy)
-    outputs = run_batch(engine, [prompts[i] for i in sharing])
+    outputs = run_batch(engine, [prompts[i] for i in sharing], GREEDY)
     assert [o.token_ids for o in outputs] == [reference[i] for i in sharing]
     # Cascade steps of few tokens, i.e. on the quantized weights, did happen.
     assert any(num_tokens <= 8 for num_tokens in cascade_steps)
