@@ -137,6 +137,15 @@ class EngineArgs(DeclaredOptions):
              "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
              "default model), int8 for other quantized GGUFs, none for float weights; a "
              "loaded model keeps the quantization it was loaded with")
+    optimization_level: int = option(
+        DEFAULT_OPTIMIZATION_LEVEL, "--optimization-level", "-O",
+        accepts=lambda level: type(level) is int and level in OPTIMIZATION_LEVELS,
+        wanted="0, 1, 2 or 3", parse=int_in_range(0, 3), metavar="LEVEL",
+        help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
+             "also run decode steps through torch.compile, faster per token; the first "
+             "decode steps compile, from seconds to minutes by model size (cached on disk "
+             "for later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
+             "compiler; without one, decode stays eager with a warning")
     block_size: int = option(
         DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,
         wanted="a positive integer", parse=positive_int, help="tokens per KV block")
@@ -226,15 +235,6 @@ class EngineArgs(DeclaredOptions):
         DEFAULT_MAX_LORA_RANK, "--max-lora-rank", accepts=is_positive_int,
         wanted="a positive integer", parse=positive_int, metavar="R",
         help="largest LoRA rank accepted; adapters of higher rank are refused")
-    optimization_level: int = option(
-        DEFAULT_OPTIMIZATION_LEVEL, "--optimization-level", "-O",
-        accepts=lambda level: type(level) is int and level in OPTIMIZATION_LEVELS,
-        wanted="0, 1, 2 or 3", parse=int_in_range(0, 3), metavar="LEVEL",
-        help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
-             "also run decode steps through torch.compile, faster per token; the first "
-             "decode steps compile, from seconds to minutes by model size (cached on disk "
-             "for later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
-             "compiler; without one, decode stays eager with a warning")
     max_cpu_loras: int | None = option(
         None, "--max-cpu-loras", accepts=is_positive_int, wanted="a positive integer",
         parse=positive_int, metavar="N", default_text="--max-loras",
