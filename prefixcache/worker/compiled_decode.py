@@ -22,6 +22,7 @@ logged once and every step runs eagerly from then on: the engine keeps serving.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ class CompiledDecode:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self._compiled: Callable[..., torch.Tensor] | None = torch.compile(
             model.forward, dynamic=True)
+        self._has_run = False
 
     @staticmethod
     def is_compilable(metadata: AttentionMetadata, lora: LoRAStepBatch | None) -> bool:
@@ -58,7 +60,15 @@ class CompiledDecode:
         if self._compiled is None:
             return eager(*args)
         try:
-            return self._compiled(*args)
+            if self._has_run:
+                return self._compiled(*args)
+            # The first call compiles: say so, since the step waits for it.
+            logger.info("compiling decode steps (torch.compile, -O); this step waits")
+            start = time.perf_counter()
+            logits = self._compiled(*args)
+            self._has_run = True
+            logger.info("decode steps compiled in %.1f s", time.perf_counter() - start)
+            return logits
         except Exception as exc:  # noqa: BLE001 - told apart by the eager rerun below
             logits = eager(*args)
             logger.warning("torch.compile of decode steps failed, running eagerly from "
