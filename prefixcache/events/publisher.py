@@ -1,9 +1,9 @@
 """Publishing KV event batches over ZeroMQ, speaking vLLM's ``ZmqEventPublisher`` protocol.
 
-Live stream (PUB socket): one multipart message per batch,
-``(topic, seq, payload)`` where ``topic`` is the UTF-8 topic (empty by default), ``seq`` the
-batch's sequence number as 8 bytes big-endian (consecutive per publisher, see below) and
-``payload`` the msgpack ``KVEventBatch`` (see ``wire``).
+Live stream (an XPUB socket: a PUB that also sees subscriptions): one multipart message per
+batch, ``(topic, seq, payload)`` where ``topic`` is the UTF-8 topic (empty by default),
+``seq`` the batch's sequence number as 8 bytes big-endian (consecutive per publisher, see
+below) and ``payload`` the msgpack ``KVEventBatch`` (see ``wire``).
 
 Restarts. Subscribers track each publisher's last sequence number: vllm-router drops a batch
 whose number it has seen already, takes a lower one as the engine's restart, and asks for a
