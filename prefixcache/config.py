@@ -30,10 +30,12 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_OPTIMIZATION_LEVEL",
     "DEFAULT_QUANTIZATION",
     "DTYPES",
     "EVICTION_POLICIES",
     "HASH_ALGOS",
+    "OPTIMIZATION_LEVELS",
     "QUANTIZATION_METHODS",
     "CacheConfig",
     "ModelConfig",
@@ -57,6 +59,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Weight-only quantized decode (see prefixcache.model.quantization for what each means).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DEFAULT_QUANTIZATION = "auto"
+# `--optimization-level`, as vLLM spells it (`-O0` ... `-O3`): 0 runs eagerly, the others
+# compile decode steps (see prefixcache.worker.compiled_decode). One level of optimisation
+# exists here; the higher numbers are accepted so that scripts written for vLLM carry over.
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)
+DEFAULT_OPTIMIZATION_LEVEL = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,10 +36,12 @@ from prefixcache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_OPTIMIZATION_LEVEL,
     DEFAULT_QUANTIZATION,
     DTYPES,
     EVICTION_POLICIES,
     HASH_ALGOS,
+    OPTIMIZATION_LEVELS,
     QUANTIZATION_METHODS,
 )
 from prefixcache.core.eviction import describe_eviction_policies
@@ -113,9 +115,11 @@ class EngineArgs(DeclaredOptions):
     their own; ``hash_seed`` the prefix-cache block hashes (see
     :mod:`prefixcache.core.hashing`). ``enable_kv_events`` records KV cache events for
     ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
-    ``enable_lora`` lets requests run with LoRA adapters: at most ``max_loras`` distinct
-    ones per step, each of rank at most ``max_lora_rank``, up to ``max_cpu_loras`` unused
-    ones kept loaded (see :mod:`prefixcache.lora`).
+    ``optimization_level`` above 0 compiles decode steps (see
+    :mod:`prefixcache.worker.compiled_decode`). ``enable_lora`` lets requests run with
+    LoRA adapters: at most ``max_loras`` distinct ones per step, each of rank at most
+    ``max_lora_rank``, up to ``max_cpu_loras`` unused ones kept loaded (see
+    :mod:`prefixcache.lora`).
     """
 
     CLI_GROUP = "engine"
@@ -133,6 +137,15 @@ class EngineArgs(DeclaredOptions):
              "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
              "default model), int8 for other quantized GGUFs, none for float weights; a "
              "loaded model keeps the quantization it was loaded with")
+    optimization_level: int = option(
+        DEFAULT_OPTIMIZATION_LEVEL, "--optimization-level", "-O",
+        accepts=lambda level: type(level) is int and level in OPTIMIZATION_LEVELS,
+        wanted="0, 1, 2 or 3", parse=int_in_range(0, 3), metavar="LEVEL",
+        help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
+             "also run decode steps through torch.compile, faster per token; the first "
+             "decode steps compile, from seconds to minutes by model size (cached on disk "
+             "for later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
+             "compiler; without one, decode stays eager with a warning")
     block_size: int = option(
         DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,
         wanted="a positive integer", parse=positive_int, help="tokens per KV block")

@@ -2,6 +2,8 @@
 
 What it runs, all on one host (docs/fleet.md shows the same topology across hosts):
 
+0. With ``--kv-tier redis-local``, a redis-server of its own for the replicas to share
+   (:mod:`.fleet_kv_tier`); any ``--kv-tier`` is handed to every replica.
 1. ``--replicas N`` subprocesses ``prefixcache serve MODEL [SERVE OPTIONS]``, each on a free
    loopback port (or ``--replica-base-port P``: P, P+1, ...) with its own KV event PUB and
    replay endpoints. The model and every engine option are handed to each replica verbatim;
@@ -14,31 +16,31 @@ What it runs, all on one host (docs/fleet.md shows the same topology across host
 3. When the router answers ``/health``, one line on stdout: ``fleet ready: ROUTER_URL``.
 
 Then it waits. Ctrl-C or SIGTERM stops the router, then the replicas (each gets SIGINT
-and a bounded wait, then SIGKILL), and so does any part exiting on its own: a fleet with a
-dead part is stopped as a whole, never left half up. Exit code 0 after a requested stop
-(130 for Ctrl-C), 1 when a part died or did not come up, 2 for bad options or a missing
-``vllm-router`` (``pip install 'prefixcache[fleet]'``).
+and a bounded wait, then SIGKILL), then the fleet's redis-server, and so does any part
+exiting on its own: a fleet with a dead part is stopped as a whole, never left half up.
+Exit code 0 after a requested stop (130 for Ctrl-C), 1 when a part died or did not come
+up, 2 for bad options, a missing ``vllm-router`` (``pip install 'prefixcache[fleet]'``) or,
+for ``redis-local``, a missing redis-server.
 
-Every child's log goes to stderr, each line tagged ``[replica i]`` or ``[router]``.
-Children run in their own sessions (the fleet alone decides the order of shutdown) and,
-on Linux, get SIGTERM if the fleet process itself dies.
+Every child (a :class:`~prefixcache.entrypoints.fleet_part.Part`) logs to stderr, each line
+tagged ``[replica i]``, ``[router]`` or ``[redis]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from prefixcache.arg_types import port, positive_float, positive_int
+from prefixcache.entrypoints import fleet_kv_tier
+from prefixcache.entrypoints.fleet_part import Part
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin")
 INSTALL_HINT = "pip install 'prefixcache[fleet]'"
@@ -48,7 +50,6 @@ FLEET_OWNED_SERVE_FLAGS = ("--host", "--port", "--kv-events-endpoint",
                            "--kv-events-replay-endpoint", "--data-parallel-rank")
 _READY = re.compile(r"ready: serving \S+ at (http://\S+) \(.*KV events on (tcp://[^,\s)]+), "
                     r"replay on (tcp://[^,\s)]+)\)")
-_STOP_TIMEOUT_S = 20.0
 MAX_PORT = 65535
 _POLL_S = 0.1
 
@@ -64,6 +65,9 @@ serve option (--block-size, --num-kv-blocks, --served-model-name, --api-key, ...
 the ones the fleet sets itself (--host, --port, --kv-events-*, --data-parallel-rank).
 Put -- before them when the first one is an option.
 
+With --kv-tier every replica shares one KV tier: a prefix computed on one replica is
+loaded by the others instead of recomputed, whatever replica the router picks.
+
 Needs vllm-router (the vLLM project's router): pip install 'prefixcache[fleet]'.
 """
 
@@ -72,6 +76,8 @@ examples:
   prefixcache fleet --replicas 3                       # 3 x SmolLM2, router on :8000
   prefixcache fleet --replicas 2 --policy round_robin ./my-model --block-size 16
   prefixcache fleet --port 9000 -- --num-kv-blocks 4096 --max-num-seqs 32
+  prefixcache fleet --replicas 3 --kv-tier redis-local     # + a shared redis-server
+  prefixcache fleet --kv-tier redis://10.0.0.5:6379/0 -- --kv-tier-timeout 0.5
 """
 
 
@@ -110,6 +116,7 @@ def register(subparsers) -> None:
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for vllm-router, after the fleet's own "
                              "(repeat it; e.g. --router-arg=--log-level=debug)")
+    fleet_kv_tier.add_cli_args(parser)
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="MODEL/SERVE OPTIONS",
                         help="passed to every replica's prefixcache serve")
     parser.set_defaults(func=run)
@@ -211,75 +218,6 @@ def has_vllm_router() -> bool:
 # ---- running the parts ------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-@dataclass(slots=True)
-class Part:
-    """One child process; its stderr+stdout lines go to our stderr tagged with ``name``."""
-
-    name: str
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
-
-    @classmethod
-    def start(cls, name: str, command: list[str]) -> Part:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
-            start_new_session=True, preexec_fn=_die_with_parent if _PRCTL else None)
-        part = cls(name, process)
-        part.reader = threading.Thread(target=part._forward, daemon=True,
-                                       name=f"fleet-log-{name}")
-        part.reader.start()
-        return part
-
-    def _forward(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            try:
-                sys.stderr.write(f"[{self.name}] {line}")
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass  # our stderr is gone; keep draining so the child never blocks
-
-    @property
-    def is_running(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, signum: int = signal.SIGINT, timeout_s: float = _STOP_TIMEOUT_S) -> None:
-        """Ask it to stop with ``signum``; SIGKILL after ``timeout_s``."""
-        if self.is_running:
-            try:
-                self.process.send_signal(signum)
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-            except ProcessLookupError:
-                pass
-        if self.reader is not None:
-            self.reader.join(5)
-
-
 class FleetStopped(Exception):
     """A stop was asked for (SIGTERM), or a part died; ``exit_code`` says which."""
 
@@ -290,14 +228,16 @@ class FleetStopped(Exception):
 
 @dataclass(slots=True)
 class Fleet:
-    """The running parts; ``stop()`` ends them all, router first."""
+    """The running parts; ``stop()`` ends them all: router, replicas, then the tier."""
 
     replicas: list[Part] = field(default_factory=list)
     router: Part | None = None
+    kv_tier: Part | None = None  # the fleet's own redis-server
 
     @property
     def parts(self) -> list[Part]:
-        return [*([self.router] if self.router else []), *self.replicas]
+        return [part for part in (self.router, *self.replicas, self.kv_tier)
+                if part is not None]
 
     def check_alive(self) -> None:
         for part in self.parts:
@@ -315,6 +255,9 @@ class Fleet:
             thread.start()
         for thread in threads:
             thread.join()
+        # Last: replicas flush their tier writes as they stop.
+        if self.kv_tier is not None:
+            self.kv_tier.stop(signal.SIGTERM)
 
 
 def _wait_for_ready_line(part: Part, fleet: Fleet, deadline: float) -> ReplicaAddress:
@@ -360,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
               f"{INSTALL_HINT}", file=sys.stderr)
         return 2
     try:
+        tier = fleet_kv_tier.plan_kv_tier(args.kv_tier, args.redis_maxmemory, serve_args,
+                                          free_port())
+        serve_args += tier.replica_args()
         settings = parse_serve_args(serve_args)
     except ValueError as exc:
         print(f"prefixcache fleet: {exc}", file=sys.stderr)
@@ -373,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         deadline = time.monotonic() + args.startup_timeout
+        if tier.local_redis_command is not None:
+            _start_local_redis(fleet, tier, deadline)
         for index, (http_port, events_port, replay_port) in enumerate(ports):
             command = replica_command(serve_args, args.replica_host, http_port, events_port,
                                       replay_port)
@@ -388,9 +336,10 @@ def run(args: argparse.Namespace) -> int:
         if not wait_until_healthy(router_url, deadline, fleet.check_alive):
             raise FleetStopped("the router did not answer /health in time; stopping the "
                                "fleet", 1)
+        tier_text = f", KV tier {tier.url}" if tier.url is not None else ""
         print(f"fleet ready: {router_url} ({len(addresses)} replicas of "
               f"{settings.served_model_name}, policy {args.policy}: "
-              f"{' '.join(a.url for a in addresses)})", flush=True)
+              f"{' '.join(a.url for a in addresses)}{tier_text})", flush=True)
         while True:
             fleet.check_alive()
             time.sleep(_POLL_S * 5)
@@ -402,6 +351,18 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         fleet.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _start_local_redis(fleet: Fleet, tier: fleet_kv_tier.KVTierPlan, deadline: float
+                       ) -> None:
+    from prefixcache.kv_tier.local_redis import wait_until_answering
+
+    fleet.kv_tier = Part.start("redis", tier.local_redis_command)
+    if not wait_until_answering(tier.local_redis_port, deadline,
+                                lambda: fleet.kv_tier.is_running):
+        fleet.check_alive()
+        raise FleetStopped(f"redis-server did not answer on port {tier.local_redis_port} in "
+                           "time; stopping the fleet", 1)
 
 
 def _replica_ports(args: argparse.Namespace) -> list[tuple[int, int, int]]:

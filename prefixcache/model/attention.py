@@ -75,19 +75,30 @@ class PagedAttention(nn.Module):
                 chunk_key = key_slots_view.index_select(0, chunk.key_slots)
                 chunk_value = value_slots_view.index_select(0, chunk.key_slots)
             seq_len = chunk_key.shape[0]
-            # [seq_len, kv_heads, d] -> [kv_heads, group, seq_len, d], a view (no copy).
-            chunk_key = chunk_key.to(query.dtype).transpose(0, 1)[:, None]
-            chunk_key = chunk_key.expand(kv_heads, group, seq_len, head_dim)
-            chunk_value = chunk_value.to(query.dtype).transpose(0, 1)[:, None]
-            chunk_value = chunk_value.expand(kv_heads, group, seq_len, head_dim)
-            # 4-D inputs: PyTorch's CPU kernels take a slow generic path for 3-D ones.
-            attended = F.scaled_dot_product_attention(
-                chunk_query,
-                chunk_key,
-                chunk_value,
-                attn_mask=chunk.causal_mask,
-                is_causal=chunk.causal_mask is None,
-            )  # [kv_heads, group, q, d]
+            # [seq_len, kv_heads, d] -> [1, kv_heads, seq_len, d], a view (no copy).
+            chunk_key = chunk_key.to(query.dtype).transpose(0, 1)[None]
+            chunk_value = chunk_value.to(query.dtype).transpose(0, 1)[None]
+            if chunk.causal_mask is None:
+                # A fresh prompt: each KV head's keys broadcast to its group ([kv_heads,
+                # group, seq_len, d] views), so the kernel's own causal masking applies.
+                # 4-D inputs: PyTorch's CPU kernels take a slow generic path for 3-D ones.
+                attended = F.scaled_dot_product_attention(
+                    chunk_query,
+                    chunk_key[0, :, None].expand(kv_heads, group, seq_len, head_dim),
+                    chunk_value[0, :, None].expand(kv_heads, group, seq_len, head_dim),
+                    is_causal=True,
+                )  # [kv_heads, group, q, d]
+            else:
+                # After context the mask is explicit, so the group's query heads can be
+                # extra query rows of their KV head, as for decodes: the kernel reads each
+                # key once per KV head instead of once per query head.
+                folded_query = chunk_query.reshape(1, kv_heads, group * num_queries, head_dim)
+                attended = F.scaled_dot_product_attention(
+                    folded_query,
+                    chunk_key,
+                    chunk_value,
+                    attn_mask=chunk.causal_mask.repeat(group, 1),  # row g * q + i is query i
+                ).view(kv_heads, group, num_queries, head_dim)
             output[start:end] = attended.permute(2, 0, 1, 3)  # -> [q, kv_heads, group, d]
 
         if metadata.decode_token_indices is not None:

@@ -37,10 +37,13 @@ from prefixcache.model.quantized_linear import (
 )
 
 __all__ = ["DEFAULT_QUANTIZATION", "QUANTIZATION_METHODS", "quantize_for_decode"]
-# Steps with at most this many tokens use the quantized weights. A memory-bound dense
-# matmul's time hardly grows with its rows while the weight-only kernels' grows about
-# linearly; for SmolLM2-135M's shapes on 2 cores int4 wins at 1-4 rows and loses from 8.
-DEFAULT_MAX_QUANTIZED_TOKENS = 4
+# Steps with at most this many tokens use the quantized weights. A dense matmul reading
+# its weights from memory hardly slows with more rows, while the weight-only kernels'
+# time grows about linearly. Over a whole model's weights (too large for the CPU caches,
+# as in a real step) int4 still reads and computes faster than bfloat16 at 8 rows and
+# loses from about 12; one layer's weights alone, kept hot in cache, would suggest a far
+# lower limit that real steps do not show.
+DEFAULT_MAX_QUANTIZED_TOKENS = 8
 # An int8 output head recomputes this many leading logits per row from the dense weights:
 # far more than greedy decoding or a usual top-k needs, and a negligible matmul next to the
 # head's 49,152 rows (SmolLM2).

@@ -24,6 +24,7 @@ from prefixcache.model.attention_metadata import (
 from prefixcache.model.config import ModelArchConfig
 from prefixcache.model.llama import LlamaForCausalLM
 from prefixcache.worker import kv_transfer
+from prefixcache.worker.compiled_decode import CompiledDecode
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 
 # One layer of SmolLM2-135M shapes (float32, 2 threads): cascade decode attention broke even
@@ -58,6 +59,9 @@ class ModelRunner:
     With `max_loras` set, sequences may carry a LoRA adapter: each step activates its
     sequences' adapters in `max_loras` slots (`LoRASlots`) and every token gets its own
     adapter's delta; a step may mix the base model and up to `max_loras` adapters.
+
+    With `compile_decode`, steps of decodes alone run through `torch.compile` (see
+    `compiled_decode`); every other step, and every step if compiling fails, runs eagerly.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         min_shared_prefix_tokens: int = DEFAULT_MIN_SHARED_PREFIX_TOKENS,
         max_loras: int | None = None,
+        compile_decode: bool = False,
     ) -> None:
         if num_kv_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -92,6 +97,7 @@ class ModelRunner:
         self.lora_slots = LoRASlots(arch_config, max_loras) if max_loras is not None else None
         # [block_size]: offsets within a block, reused to expand block tables into slots.
         self._block_offsets = torch.arange(block_size, dtype=torch.int64)
+        self.compiled_decode = CompiledDecode(model) if compile_decode else None
 
     @torch.inference_mode()
     def execute(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
@@ -100,8 +106,12 @@ class ModelRunner:
         if not sequences:
             return torch.empty(0, self.arch_config.vocab_size)
         inputs = self.build_step_inputs(sequences)
-        return self.model(inputs.input_ids, self.kv_caches, inputs.metadata,
-                          inputs.logits_indices, inputs.lora)
+        args = (inputs.input_ids, self.kv_caches, inputs.metadata, inputs.logits_indices,
+                inputs.lora)
+        if self.compiled_decode is not None \
+                and CompiledDecode.is_compilable(inputs.metadata, inputs.lora):
+            return self.compiled_decode.run(self.model, *args)
+        return self.model(*args)
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""

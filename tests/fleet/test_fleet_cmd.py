@@ -53,11 +53,12 @@ def is_alive(pid: int) -> bool:
 
 
 class FleetProcess:
-    """``prefixcache fleet`` on the tiny model, two replicas; ``url`` once ready."""
+    """``prefixcache fleet`` on the tiny model, two replicas, with ``fleet_args`` among
+    the fleet's own options; ``url`` and ``ready_line`` once ready."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *fleet_args: str) -> None:
         command = [sys.executable, "-m", "prefixcache", "fleet", "--replicas", "2",
-                   "--port", str(free_port()), "--health-check-interval", "1",
+                   "--port", str(free_port()), "--health-check-interval", "1", *fleet_args,
                    "--", str(model_dir), "--served-model-name", MODEL_NAME,
                    "--block-size", "16", "--num-kv-blocks", "128"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -90,14 +91,21 @@ class FleetProcess:
             if line is None:
                 break
             if line.startswith("fleet ready: "):
+                self.ready_line = line
                 return line.split()[2]
         self.kill_all()
         pytest.fail("the fleet never became ready:\n" + "".join(self.log))
 
     def parts(self) -> dict[str, int]:
-        """``{"router": pid, "replica": pid, ...}`` of the fleet's children."""
-        return {(f"replica {pid}" if " prefixcache serve " in command_line(pid) else "router"): pid
-                for pid in children_of(self.process.pid)}
+        """``{"router": pid, "replica PID": pid, ..., "redis": pid}`` of the fleet's
+        children."""
+        def name(pid: int) -> str:
+            command = command_line(pid)
+            if " prefixcache serve " in command:
+                return f"replica {pid}"
+            return "redis" if "redis-server" in command else "router"
+
+        return {name(pid): pid for pid in children_of(self.process.pid)}
 
     def wait(self) -> int:
         try:

@@ -54,7 +54,9 @@ class StreamOptions(OpenAIModel):
 class GenerationRequest(OpenAIModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``.
 
-    ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt`` are vLLM extensions.
+    ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` and ``return_token_ids``
+    are vLLM extensions. ``return_token_ids`` adds the prompt's and the generated token ids
+    to the response (see :class:`TokenIdsFields` for where they go).
     ``max_tokens`` None means the endpoint's default (see each endpoint).
     """
 
@@ -71,6 +73,7 @@ class GenerationRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    return_token_ids: bool | None = None
     user: str | None = None
     # Neutral values accepted, anything else refused (see the module docstring).
     presence_penalty: float = 0.0
@@ -305,11 +308,32 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class CompletionChoice(ResponseModel):
+class TokenIdsFields(ResponseModel):
+    """The token ids a ``return_token_ids`` request gets, where vLLM puts them.
+
+    A completion choice carries ``prompt_token_ids`` (in a stream: on the choice's first
+    chunk only) and ``token_ids`` (in a stream: the chunk's new ids, so the chunks' ids
+    concatenate to the choice's). A chat response carries ``prompt_token_ids`` at the top
+    (in a stream: on the first chunk only) and ``token_ids`` on each choice. Fields left
+    None are left off the wire, so a response without ``return_token_ids`` is unchanged.
+    """
+
+    @model_serializer(mode="wrap")
+    def _drop_unrequested_token_ids(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in ("prompt_token_ids", "token_ids"):
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+class CompletionChoice(TokenIdsFields):
     index: int
     text: str
     logprobs: None = None
     finish_reason: str | None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -335,20 +359,22 @@ class AssistantMessage(ResponseModel):
     content: str
 
 
-class ChatChoice(ResponseModel):
+class ChatChoice(TokenIdsFields):
     index: int
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(ResponseModel):
+class ChatCompletionResponse(TokenIdsFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(ResponseModel):
@@ -363,20 +389,22 @@ class DeltaMessage(ResponseModel):
         return {name: value for name, value in fields.items() if value is not None}
 
 
-class ChatStreamChoice(ResponseModel):
+class ChatStreamChoice(TokenIdsFields):
     index: int
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionStreamResponse(ResponseModel):
+class ChatCompletionStreamResponse(TokenIdsFields):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(ResponseModel):

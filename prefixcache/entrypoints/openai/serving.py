@@ -99,19 +99,29 @@ class _Run:
     api_id: str
     model: str
     n: int
-    prompt_lengths: list[int]
+    prompts_token_ids: list[list[int]]
     arrival_time: float
     request_id_to_index: dict[str, int]
     is_chat: bool
+    return_token_ids: bool = False
     final_outputs: dict[int, RequestOutput] = field(default_factory=dict)
     # Choices whose first token has been timed (an aborted one may have had it too).
     timed_indexes: set[int] = field(default_factory=set)
+    # A streamed chat response carries the prompt's ids on its first chunk only.
+    sent_prompt_token_ids: bool = False
+
+    def prompt_token_ids_of(self, index: int) -> list[int] | None:
+        """Choice ``index``'s prompt ids when the client asked for token ids, else None."""
+        return self.prompts_token_ids[index // self.n] if self.return_token_ids else None
+
+    def token_ids_if_requested(self, token_ids: list[int]) -> list[int] | None:
+        return token_ids if self.return_token_ids else None
 
     def usage(self) -> UsageInfo:
         completion_tokens = sum(len(o.token_ids) for o in self.final_outputs.values())
-        prompt_tokens = sum(self.prompt_lengths)
+        prompt_tokens = sum(len(t) for t in self.prompts_token_ids)
         cached_tokens = 0
-        for prompt_index in range(len(self.prompt_lengths)):
+        for prompt_index in range(len(self.prompts_token_ids)):
             # Smallest over the prompt's n choices (see UsageInfo's contract).
             choices = [self.final_outputs.get(prompt_index * self.n + i)
                        for i in range(self.n)]
@@ -158,7 +168,9 @@ class OpenAIServing:
                                                    self._completion_chunks), stream.abort)
         await self._drain(run, stream)
         choices = [CompletionChoice(index=index, text=output.text,
-                                    finish_reason=output.finish_reason)
+                                    finish_reason=output.finish_reason,
+                                    prompt_token_ids=run.prompt_token_ids_of(index),
+                                    token_ids=run.token_ids_if_requested(output.token_ids))
                    for index, output in sorted(run.final_outputs.items())]
         return CompletionResponse(id=run.api_id, created=now_s(), model=model,
                                   choices=choices, usage=run.usage())
@@ -175,10 +187,12 @@ class OpenAIServing:
                                                    self._chat_chunks), stream.abort)
         await self._drain(run, stream)
         choices = [ChatChoice(index=index, message=AssistantMessage(content=output.text),
-                              finish_reason=output.finish_reason)
+                              finish_reason=output.finish_reason,
+                              token_ids=run.token_ids_if_requested(output.token_ids))
                    for index, output in sorted(run.final_outputs.items())]
         return ChatCompletionResponse(id=run.api_id, created=now_s(), model=model,
-                                      choices=choices, usage=run.usage())
+                                      choices=choices, usage=run.usage(),
+                                      prompt_token_ids=run.prompt_token_ids_of(0))
 
     # ---- request side ------------------------------------------------------------------
 
@@ -284,8 +298,9 @@ class OpenAIServing:
             raise bad_request(str(exc)) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from exc
-        run = _Run(api_id, model, n, [len(t) for t in prompts_token_ids], arrival_time,
-                   request_id_to_index, is_chat=id_prefix == "chatcmpl")
+        run = _Run(api_id, model, n, prompts_token_ids, arrival_time, request_id_to_index,
+                   is_chat=id_prefix == "chatcmpl",
+                   return_token_ids=bool(request.return_token_ids))
         return run, stream
 
     # ---- response side -----------------------------------------------------------------
@@ -368,10 +383,14 @@ class OpenAIServing:
     @staticmethod
     def _completion_chunks(run: _Run, index: int, output: RequestOutput,
                            first: bool) -> list[str]:
-        if not output.new_text and not output.finished:
+        has_new_ids = run.return_token_ids and (first or output.new_token_ids)
+        if not output.new_text and not output.finished and not has_new_ids:
             return []
         choice = CompletionChoice(index=index, text=output.new_text,
-                                  finish_reason=output.finish_reason)
+                                  finish_reason=output.finish_reason,
+                                  prompt_token_ids=run.prompt_token_ids_of(index) if first
+                                  else None,
+                                  token_ids=run.token_ids_if_requested(output.new_token_ids))
         return [CompletionStreamResponse(id=run.api_id, created=now_s(), model=run.model,
                                          choices=[choice]).model_dump_json()]
 
@@ -381,11 +400,21 @@ class OpenAIServing:
         if first:  # OpenAI opens each choice with the role and empty content
             chunks.append(ChatStreamChoice(index=index,
                                            delta=DeltaMessage(role="assistant", content="")))
-        if output.new_text or output.finished:
+        if output.new_text or output.finished \
+                or (run.return_token_ids and output.new_token_ids):
             content = output.new_text or None
-            chunks.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=content),
-                                           finish_reason=output.finish_reason))
-        return [ChatCompletionStreamResponse(id=run.api_id, created=now_s(), model=run.model,
-                                             choices=[choice]).model_dump_json()
-                for choice in chunks]
+            chunks.append(ChatStreamChoice(
+                index=index, delta=DeltaMessage(content=content),
+                finish_reason=output.finish_reason,
+                token_ids=run.token_ids_if_requested(output.new_token_ids)))
+        responses = []
+        for choice in chunks:
+            prompt_token_ids = None
+            if run.return_token_ids and not run.sent_prompt_token_ids:
+                prompt_token_ids = run.prompt_token_ids_of(0)
+                run.sent_prompt_token_ids = True
+            responses.append(ChatCompletionStreamResponse(
+                id=run.api_id, created=now_s(), model=run.model, choices=[choice],
+                prompt_token_ids=prompt_token_ids).model_dump_json())
+        return responses
 

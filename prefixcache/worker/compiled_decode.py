@@ -1,0 +1,77 @@
+"""torch.compile for decode steps (``--optimization-level`` 1 and up; 0, the default, is
+eager PyTorch throughout).
+
+A decode step of a small model is a few hundred small ops - norms, RoPE, residual adds,
+activations - between the weight-only matmuls. On CPU each eager op pays a dispatch and a
+pass over its activations. Inductor fuses the elementwise ops into generated C++ loops and
+calls the same ATen kernels for the matmuls and attention, so a compiled step computes the
+same function with fewer passes; fusion may round differently from eager in the last bits.
+
+Only steps made of decodes alone, without cascade groups and without LoRA deltas, are
+compiled. Their inputs differ only in sizes (how many decodes, the longest run of keys,
+whether rows are padded), which the compiled code takes as dynamic, so a few graphs serve
+every such step. Prefill chunks, cascade attention and LoRA run eagerly: a request never
+waits for a compile of a rare step shape.
+
+The first step of each kind compiles, which takes from seconds (a tiny model) to minutes (a
+30-layer model on 2 cores); Inductor keeps compiled code in its on-disk cache, so later
+starts reuse it. If compiling fails (no C++ compiler, an unsupported op), the error is
+logged once and every step runs eagerly from then on: the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from prefixcache.model.attention_metadata import AttentionMetadata
+from prefixcache.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from prefixcache.lora.slots import LoRAStepBatch
+
+logger = logging.getLogger(__name__)
+
+class CompiledDecode:
+    """The model's forward, compiled, for the steps `is_compilable` accepts."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self._compiled: Callable[..., torch.Tensor] | None = torch.compile(
+            model.forward, dynamic=True)
+        self._has_run = False
+
+    @staticmethod
+    def is_compilable(metadata: AttentionMetadata, lora: LoRAStepBatch | None) -> bool:
+        """Decodes only (no prefill chunk), no cascade group, no LoRA delta."""
+        return (not metadata.chunks and not metadata.decode_shared_prefixes
+                and lora is None)
+
+    def run(self, eager: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``eager(*args)``, computed by the compiled forward while compiling works.
+
+        If the compiled call raises, the step runs through ``eager``: when that succeeds,
+        the failure was the compiler's (logged once; eager from now on); when it raises
+        too, the step itself is at fault and its error propagates as without compiling.
+        """
+        if self._compiled is None:
+            return eager(*args)
+        try:
+            if self._has_run:
+                return self._compiled(*args)
+            # The first call compiles: say so, since the step waits for it.
+            logger.info("compiling decode steps (torch.compile, -O); this step waits")
+            start = time.perf_counter()
+            logits = self._compiled(*args)
+            self._has_run = True
+            logger.info("decode steps compiled in %.1f s", time.perf_counter() - start)
+            return logits
+        except Exception as exc:  # noqa: BLE001 - told apart by the eager rerun below
+            logits = eager(*args)
+            logger.warning("torch.compile of decode steps failed, running eagerly from "
+                           "now on: %s: %s", type(exc).__name__, exc)
+            self._compiled = None
+            return logits

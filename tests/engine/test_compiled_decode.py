@@ -1,0 +1,92 @@
+"""`--optimization-level` above 0: decode steps through torch.compile.
+
+A batched run with prefix caching and chunked prefill gives the same greedy tokens
+compiled as eager (the tiny model's logits spread over tens of units, so
+fusion's last-bit rounding cannot flip an argmax); the compiled forward really ran, for
+decode steps only; a failing compiler leaves the engine serving eagerly, while a step that
+fails eagerly too still raises its own error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from prefixcache.engine.arg_utils import EngineArgs
+from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.worker.compiled_decode import CompiledDecode
+from tests.engine.helpers import assert_all_blocks_free, run_batch
+from tests.engine.test_greedy_equivalence import make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Small blocks and budget: prompts span blocks and prefills are chunked, so steps of
+# decodes alone (compiled) and steps with prefill chunks (eager) interleave.
+ENGINE_OPTIONS = {"block_size": 4, "max_num_batched_tokens": 32}
+
+
+def spy_on_compiled_calls(engine) -> list:
+    """Record the metadata of every step that reaches the compiled forward."""
+    compiled_decode = engine.runner.compiled_decode
+    compiled = compiled_decode._compiled
+    seen = []
+
+    def spy(input_ids, kv_caches, metadata, *rest):
+        seen.append(metadata)
+        return compiled(input_ids, kv_caches, metadata, *rest)
+
+    compiled_decode._compiled = spy
+    return seen
+
+
+def test_compiled_decode_equals_eager(make_engine, tiny_model):
+    prompts = make_prompts(tiny_model.arch_config.vocab_size)
+    eager = run_batch(make_engine(**ENGINE_OPTIONS), prompts, GREEDY)
+    engine = make_engine(optimization_level=1, **ENGINE_OPTIONS)
+    compiled_steps = spy_on_compiled_calls(engine)
+    compiled = run_batch(engine, prompts, GREEDY)
+
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    assert compiled_steps, "no step ran compiled"
+    assert all(not m.chunks and not m.decode_shared_prefixes for m in compiled_steps)
+    assert_all_blocks_free(engine)
+
+
+def test_a_failing_compiler_leaves_the_engine_eager(make_engine, tiny_model, caplog):
+    prompts = make_prompts(tiny_model.arch_config.vocab_size)[:3]
+    eager = run_batch(make_engine(**ENGINE_OPTIONS), prompts, GREEDY)
+    engine = make_engine(optimization_level=1, **ENGINE_OPTIONS)
+    calls = []
+
+    def broken_compiler(*args):
+        calls.append(args)
+        raise RuntimeError("no C++ compiler")
+
+    engine.runner.compiled_decode._compiled = broken_compiler
+    with caplog.at_level(logging.WARNING, logger="prefixcache.worker.compiled_decode"):
+        outputs = run_batch(engine, prompts, GREEDY)
+
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
+    assert len(calls) == 1  # tried once, then eager for good
+    assert [r.message for r in caplog.records if "no C++ compiler" in r.message]
+
+
+def test_a_step_that_fails_eagerly_raises_its_own_error(tiny_model):
+    compiled_decode = CompiledDecode(tiny_model.model)
+
+    def compiled(*args):
+        raise RuntimeError("compiled failure")
+
+    def eager(*args):
+        raise ValueError("the step's own error")
+
+    compiled_decode._compiled = compiled
+    with pytest.raises(ValueError, match="the step's own error"):
+        compiled_decode.run(eager)
+    assert compiled_decode._compiled is compiled  # not the compiler's fault: kept
+
+
+@pytest.mark.parametrize("level", [-1, 4, True, 1.0, "1"])
+def test_optimization_level_must_be_0_to_3(level):
+    with pytest.raises(ValueError, match="optimization_level"):
+        EngineArgs(optimization_level=level)
