@@ -2,20 +2,25 @@
 Prints JSON.
 
 Workload (a generator, not a trace): ``--documents`` distinct documents of
-``--document-words`` words each, then ``--questions`` follow-up questions per document
-(the document followed by its own short question). All documents go out at once, then all
-follow-ups, shuffled, from ``--concurrency`` clients: the shape of many users asking
-about their own documents at the same time. Each request is a completion with
-``max_tokens`` 1, so its latency is its time to first token, i.e. its prefill.
+``--document-words`` words each (about one token per word), then ``--questions`` follow-up
+questions per document (the document followed by its own short question, about 10
+tokens). All documents go out at once, then all follow-ups, shuffled, from
+``--concurrency`` clients: the shape of many users asking about their own documents at the
+same time. No follow-up is sent before its document has been answered (the result counts
+them anyway: a follow-up that arrives while its document is still being computed cannot be
+placed by any cache-aware router). Each request is a completion with ``max_tokens`` 1, so
+its latency is its time to first token, i.e. its prefill.
 
 Per setup (``kv_aware``, ``cache_aware``, ``round_robin`` with ``--replicas`` replicas via
-``prefixcache fleet``'s own router command; ``one_replica`` with ``--replicas`` times the KV
-blocks, no router): token hit rate (cached prompt tokens / prompt tokens, over every
-request), the share of follow-ups that hit their document (cached >= its full blocks but
-one), TTFT p50/p99 of follow-ups, requests per second over the whole run, and each
-replica's share of prompt tokens (and the largest share over the fair one). Then the
-tokenization endpoints' cost on one replica: ``/v1/completions/render`` latency against a
-whole uncached request with the same ``--render-tokens``-token text prompt (0 skips it).
+``prefixcache fleet``'s own router command; ``kv_aware_session``: ``kv_aware`` with
+``--kv-aware-session-affinity-ttl-secs`` and each document's requests sharing one
+``x-session-id``; ``one_replica`` with ``--replicas`` times the KV blocks, no router): token
+hit rate (cached prompt tokens / prompt tokens, over every request), the share of
+follow-ups that hit their document (cached >= its full blocks but one), TTFT p50/p99 of
+follow-ups, requests per second over the whole run, and each replica's share of prompt
+tokens (and the largest share over the fair one). Then the tokenization endpoints' cost on
+one replica: ``/v1/completions/render`` latency against a whole uncached request with the
+same ``--render-tokens``-token text prompt (0 skips it).
 
 With a shared KV tier (``round_robin_shared_tier``, ``kv_aware_shared_tier``): the same
 replicas all on one throwaway local redis-server (``--kv-tier``, as ``prefixcache fleet
@@ -30,9 +35,9 @@ test model instead (built offline in a temp folder; prefill costs almost nothing
 The clients set TCP_NODELAY, as vllm-router's do: without it a small POST waits ~40 ms
 for a delayed ACK, which would swamp the render cost measured here.
 
-Example (the figures in docs/benchmarks.md; about 10 minutes on 2 shared cores)::
+Example (the figures in docs/benchmarks.md)::
 
-    python benchmarks/fleet.py --documents 12 --document-words 200 --questions 2 \
+    python benchmarks/fleet.py --documents 12 --document-words 1000 --questions 2 \
         --concurrency 6 --render-tokens 2000
 """
 
@@ -73,7 +78,8 @@ from prefixcache.kv_tier.local_redis import (  # noqa: E402
 
 BLOCK_SIZE = 16
 SHARED_TIER = "_shared_tier"  # a setup name's suffix: its replicas share a KV tier
-SETUPS = ("one_replica", "kv_aware", "cache_aware", "round_robin",
+SESSION_SETUP = "kv_aware_session"  # kv_aware with session affinity, a session per document
+SETUPS = ("one_replica", "kv_aware", SESSION_SETUP, "cache_aware", "round_robin",
           "round_robin" + SHARED_TIER, "kv_aware" + SHARED_TIER)
 # What vllm-router's HTTP client does; see the module docstring.
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -131,21 +137,34 @@ def engine_counter(url: str, name: str) -> float:
 
 
 def run_workload(url: str, model_name: str, docs: list[str], questions: int,
-                 concurrency: int, rng: random.Random, doc_tokens: list[int]) -> dict:
-    def send(prompt: str) -> tuple[float, dict]:
+                 concurrency: int, rng: random.Random, doc_tokens: list[int],
+                 session_ids: bool = False) -> dict:
+    """``session_ids``: each document's requests carry ``x-session-id: doc-<index>``."""
+    answered_at: dict[int, float] = {}
+    sent_early = 0
+
+    def send(item: tuple[int, str, bool]) -> tuple[float, dict]:
+        nonlocal sent_early
+        doc, prompt, is_follow_up = item
         start = time.perf_counter()
-        response = http.post("/v1/completions", json={
+        if is_follow_up and not start > answered_at.get(doc, float("inf")):
+            sent_early += 1
+        headers = {"x-session-id": f"doc-{doc}"} if session_ids else {}
+        response = http.post("/v1/completions", headers=headers, json={
             "model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0})
         response.raise_for_status()
-        return time.perf_counter() - start, response.json()["usage"]
+        end = time.perf_counter()
+        if not is_follow_up:
+            answered_at[doc] = end
+        return end - start, response.json()["usage"]
 
     follow_ups = [(d, f"{docs[d]} Question {q}: which {rng.choice(WORDS)} comes first?")
                   for d in range(len(docs)) for q in range(questions)]
     rng.shuffle(follow_ups)
     with client(url) as http, ThreadPoolExecutor(concurrency) as pool:
         began = time.perf_counter()
-        first = list(pool.map(send, docs))
-        second = list(pool.map(send, [p for _, p in follow_ups]))
+        first = list(pool.map(send, [(d, doc, False) for d, doc in enumerate(docs)]))
+        second = list(pool.map(send, [(d, p, True) for d, p in follow_ups]))
         elapsed = time.perf_counter() - began
     usages = [u for _, u in first + second]
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
@@ -156,6 +175,7 @@ def run_workload(url: str, model_name: str, docs: list[str], questions: int,
     ttfts = sorted(t for t, _ in second)
     return {"token_hit_rate": round(cached / total, 4),
             "follow_ups_on_their_document": round(landed / len(follow_ups), 4),
+            "follow_ups_sent_before_their_document_was_answered": sent_early,
             "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
             "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
             "requests_per_s": round(len(usages) / elapsed, 2)}
@@ -190,7 +210,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--blocks-per-replica", type=int, default=512)
     parser.add_argument("--documents", type=int, default=12)
-    parser.add_argument("--document-words", type=int, default=200)
+    parser.add_argument("--document-words", type=int, default=1000)
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--render-tokens", type=int, default=2000)
@@ -218,12 +238,15 @@ def main() -> None:
             model, model_name = build_tiny_model(Path(tmp) / "tiny"), "tiny"
         docs = documents(args.documents, args.document_words, random.Random(args.seed))
         setups = [("one_replica", 1, args.replicas * args.blocks_per_replica)]
-        setups += [(policy, args.replicas, args.blocks_per_replica)
-                   for policy in ("kv_aware", "cache_aware", "round_robin")]
+        setups += [(name, args.replicas, args.blocks_per_replica)
+                   for name in ("kv_aware", SESSION_SETUP, "cache_aware", "round_robin")]
         setups += [(name, args.replicas, args.blocks_per_replica)
                    for name in SETUPS if name.endswith(SHARED_TIER)]
         setups = [setup for setup in setups if setup[0] in selected]
         for name, num_replicas, num_blocks in setups:
+            policy = name.removesuffix(SHARED_TIER).removesuffix("_session")
+            router_args = (["--kv-aware-session-affinity-ttl-secs", "600"]
+                           if name == SESSION_SETUP else [])
             tier = RedisServer(redis_binary, Path(tmp)) if name.endswith(SHARED_TIER) \
                 else None
             try:
@@ -247,13 +270,15 @@ def main() -> None:
                 else:
                     url = f"http://127.0.0.1:{free_port()}"
                     router = Part.start("router", router_command(
-                        addresses, policy=name.removesuffix(SHARED_TIER), host="127.0.0.1",
+                        addresses, policy=policy, host="127.0.0.1",
                         port_number=int(url.rsplit(":", 1)[1]), prometheus_port=free_port(),
-                        block_size=BLOCK_SIZE, served_model_name=model_name))
+                        block_size=BLOCK_SIZE, served_model_name=model_name,
+                        extra_args=router_args))
                     if not wait_until_healthy(url, time.monotonic() + 120):
                         raise RuntimeError("the router never became healthy")
                 result = run_workload(url, model_name, docs, args.questions,
-                                      args.concurrency, random.Random(args.seed), doc_tokens)
+                                      args.concurrency, random.Random(args.seed), doc_tokens,
+                                      session_ids=bool(router_args))
                 loads = [prompt_tokens(a.url) for a in addresses]
                 shares = [load / sum(loads) for load in loads]
                 result["prompt_token_share_per_replica"] = [round(s, 3) for s in shares]
@@ -274,13 +299,14 @@ def main() -> None:
                 if tier is not None:
                     tier.stop()
         one = results.get("one_replica", {}).get("token_hit_rate")
-        for name in ("kv_aware", *[n for n in SETUPS if n.endswith(SHARED_TIER)]):
+        for name in ("kv_aware", SESSION_SETUP, *[n for n in SETUPS if n.endswith(SHARED_TIER)]):
             if one and name in results:
                 results[f"{name}_hit_rate_vs_one_replica"] = round(
                     results[name]["token_hit_rate"] / one, 4)
-        if "kv_aware" in results and "round_robin" in results:
-            results["round_robin_ttft_p50_over_kv_aware"] = round(
-                results["round_robin"]["ttft_p50_ms"] / results["kv_aware"]["ttft_p50_ms"], 3)
+        for name in ("kv_aware", SESSION_SETUP):
+            if name in results and "round_robin" in results:
+                results[f"round_robin_ttft_p50_over_{name}"] = round(
+                    results["round_robin"]["ttft_p50_ms"] / results[name]["ttft_p50_ms"], 3)
     json.dump(results, sys.stdout, indent=2)
     print()
 

@@ -1,9 +1,25 @@
 """Publishing KV event batches over ZeroMQ, speaking vLLM's ``ZmqEventPublisher`` protocol.
 
-Live stream (PUB socket): one multipart message per batch,
-``(topic, seq, payload)`` where ``topic`` is the UTF-8 topic (empty by default), ``seq`` the
-batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher) and ``payload``
-the msgpack ``KVEventBatch`` (see ``wire``).
+Live stream (an XPUB socket: a PUB that also sees subscriptions): one multipart message per
+batch, ``(topic, seq, payload)`` where ``topic`` is the UTF-8 topic (empty by default),
+``seq`` the batch's sequence number as 8 bytes big-endian (consecutive per publisher, see
+below) and ``payload`` the msgpack ``KVEventBatch`` (see ``wire``).
+
+Restarts. Subscribers track each publisher's last sequence number: vllm-router drops a batch
+whose number it has seen already, takes a lower one as the engine's restart, and asks for a
+replay when numbers skip. An engine that restarts and numbers from 0 again is therefore
+invisible to it when its predecessor published exactly one batch (seq 0): the new seq 0 is
+dropped as seen, seq 1 follows on, and the blocks of the dead engine stay in the router's
+index. So by default a publisher numbers from the microseconds since the epoch at its start
+(``first_seq``), which no predecessor on the same endpoint can have reached, and its first
+batch is an ``AllBlocksCleared`` (``clear_on_start``): an engine starts with an empty cache.
+That first batch goes out before a reconnecting subscriber is back (PUB drops messages for
+peers still connecting), so until the engine's first blocks are published, every
+subscription that arrives (the live socket is an XPUB, which sees them) gets another
+``AllBlocksCleared`` with the next number. A subscriber that saw the predecessor sees a
+skip, asks for a replay, and gets the clears (vllm-router, finding the replay does not
+continue its numbering, drops its view of that engine and carries on from the live batch).
+``first_seq=0`` and ``clear_on_start=False`` give vLLM's own numbering.
 
 Replay (optional ROUTER socket): a client (REQ, or DEALER sending an empty delimiter first)
 sends the first sequence number it wants as 8 bytes big-endian. The publisher answers with
@@ -46,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 END_OF_REPLAY_SEQ = -1
 END_OF_REPLAY = END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True)
+MAX_SEQ = (1 << 63) - 1
 
 # The background thread's longest idle poll. Publishing, closing and replay requests all
 # wake it at once, so this bounds nothing but its idle wake-ups.
@@ -63,6 +80,13 @@ def seq_to_bytes(seq: int) -> bytes:
 def seq_from_bytes(frame: bytes) -> int:
     """Inverse of ``seq_to_bytes``."""
     return int.from_bytes(frame, "big", signed=True)
+
+
+def restart_safe_first_seq() -> int:
+    """A first sequence number above any its predecessors on the same endpoint reached:
+    the microseconds since the epoch now (they published fewer batches than microseconds
+    passed since their own start)."""
+    return time.time_ns() // 1_000
 
 
 class EventPublisher:
@@ -128,6 +152,11 @@ class ZmqEventPublisher(EventPublisher):
             that binds. (vLLM guesses: it binds only wildcard, ipc and inproc addresses.)
         clear_on_close: publish a last ``AllBlocksCleared`` batch in ``close()`` (see
             there); only a publisher that has published anything does.
+        first_seq: the first batch's sequence number; None (default) picks
+            ``restart_safe_first_seq()`` (see the module docstring), 0 is vLLM's.
+        clear_on_start: publish ``AllBlocksCleared`` as the first batch, and again for
+            each subscription until the first other batch, so a subscriber that knew a
+            predecessor on this endpoint forgets its blocks.
 
     Attributes read by the server's ``/metrics``: ``num_published_batches`` (sent on the
     PUB socket) and ``num_dropped_batches`` (lost to a full queue).
@@ -154,6 +183,8 @@ class ZmqEventPublisher(EventPublisher):
         bind: bool = True,
         close_timeout_s: float = 2.0,
         clear_on_close: bool = True,
+        first_seq: int | None = None,
+        clear_on_start: bool = True,
     ) -> None:
         import zmq  # only engines that publish pay for the import
 
@@ -161,6 +192,10 @@ class ZmqEventPublisher(EventPublisher):
             raise ValueError(f"block_hash_format must be one of {BLOCK_HASH_FORMATS}")
         if max_queue_size < 1 or buffer_steps < 0:
             raise ValueError("max_queue_size must be >= 1 and buffer_steps >= 0")
+        if first_seq is None:
+            first_seq = restart_safe_first_seq()
+        if not 0 <= first_seq <= MAX_SEQ:
+            raise ValueError(f"first_seq must be between 0 and {MAX_SEQ}")
         self._topic = topic.encode("utf-8")
         self._data_parallel_rank = data_parallel_rank
         self._block_hash_format: BlockHashFormat = block_hash_format
@@ -169,11 +204,13 @@ class ZmqEventPublisher(EventPublisher):
         self._clear_on_close = clear_on_close
 
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        # XPUB: a PUB that also reads its peers' subscriptions (see clear_on_start).
+        self._pub = self._context.socket(zmq.XPUB)
         self._replay = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not just new topics
             if bind:
                 self._pub.bind(endpoint)
                 self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -193,9 +230,10 @@ class ZmqEventPublisher(EventPublisher):
         # (seq, ts, events) waiting for the thread; guarded by _cond.
         self._queue: deque[tuple[int, float, Sequence[KVCacheEvent]]] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._next_seq = 0
+        self._first_seq = first_seq
+        self._next_seq = first_seq
         # Every batch below this sequence number has been sent (or dropped); guarded by _cond.
-        self._num_done = 0
+        self._done_until_seq = first_seq
         self._closing = False
         self._closed = False
         # (seq, payload) of the last buffer_steps sent batches; only the thread touches it.
@@ -210,12 +248,18 @@ class ZmqEventPublisher(EventPublisher):
         os.set_blocking(self._wake_write_fd, False)
         self._poller = zmq.Poller()
         self._poller.register(self._wake_read_fd, zmq.POLLIN)
+        self._poller.register(self._pub, zmq.POLLIN)
         if self._replay is not None:
             self._poller.register(self._replay, zmq.POLLIN)
 
         self._thread = threading.Thread(
             target=self._run, name="prefixcache-kv-events", daemon=True
         )
+        # True until a batch other than the start's clears is queued; guarded by _cond.
+        self._clears_new_subscribers = clear_on_start
+        if clear_on_start:
+            with self._cond:
+                self._enqueue([AllBlocksCleared()], time.time())
         self._thread.start()
 
     # -- caller side ---------------------------------------------------------------------
@@ -229,17 +273,21 @@ class ZmqEventPublisher(EventPublisher):
         """
         if not events:
             return
-        if ts is None:
-            ts = time.time()
         with self._cond:
             if self._closing:
                 raise RuntimeError("publish() on a closed ZmqEventPublisher")
-            if len(self._queue) >= self._max_queue_size:
-                self._queue.popleft()
-                self.num_dropped_batches += 1
-            self._queue.append((self._next_seq, ts, events))
-            self._next_seq += 1
-            self._wake()  # under the lock: close() cannot release the pipe meanwhile
+            self._clears_new_subscribers = False
+            self._enqueue(events, time.time() if ts is None else ts)
+
+    def _enqueue(self, events: Sequence[KVCacheEvent], ts: float) -> None:
+        """Queue one batch under the next sequence number and wake the thread. The caller
+        holds ``_cond``."""
+        if len(self._queue) >= self._max_queue_size:
+            self._queue.popleft()
+            self.num_dropped_batches += 1
+        self._queue.append((self._next_seq, ts, events))
+        self._next_seq += 1
+        self._wake()  # under the lock: close() cannot release the pipe meanwhile
 
     def wait_until_sent(self, timeout_s: float) -> bool:
         """See ``EventPublisher.wait_until_sent``. False after ``timeout_s`` (a stuck
@@ -247,7 +295,7 @@ class ZmqEventPublisher(EventPublisher):
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._next_seq
-            while self._num_done < target:
+            while self._done_until_seq < target:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return False
@@ -265,15 +313,14 @@ class ZmqEventPublisher(EventPublisher):
         When anything was published, a last batch holding ``AllBlocksCleared`` goes out
         first: the engine behind this publisher is going away with its cache, and a router
         must not keep sending requests there for blocks that no longer exist when the
-        replica comes back. (A replica that restarts counts from 0 again; routers such as
-        vllm-router treat a lower sequence number as a restart too, but that misses a
-        restart after a single batch, which this last batch closes.)
+        replica comes back. (An engine that dies without closing leaves that to its
+        successor's ``clear_on_start``.)
         """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            if self._next_seq > 0 and self._clear_on_close:
+            if self._next_seq > self._first_seq and self._clear_on_close:
                 self._queue.append((self._next_seq, time.time(), [AllBlocksCleared()]))
                 self._next_seq += 1
             self._closing = True
@@ -309,8 +356,8 @@ class ZmqEventPublisher(EventPublisher):
                 closing = self._closing
                 # Dropped batches never come: count them as done.
                 done_until = pending[0][0] if pending else self._next_seq
-                if done_until > self._num_done:
-                    self._num_done = done_until
+                if done_until > self._done_until_seq:
+                    self._done_until_seq = done_until
                     self._cond.notify_all()
             for seq, ts, events in pending:
                 try:
@@ -319,7 +366,7 @@ class ZmqEventPublisher(EventPublisher):
                     # One bad batch must not kill the stream; subscribers see its gap.
                     logger.exception("failed to publish KV event batch %d", seq)
                 with self._cond:
-                    self._num_done = max(self._num_done, seq + 1)
+                    self._done_until_seq = max(self._done_until_seq, seq + 1)
                     self._cond.notify_all()
             if closing and not pending:
                 return
@@ -329,8 +376,8 @@ class ZmqEventPublisher(EventPublisher):
                 logger.exception("failed to serve a KV event replay request")
 
     def _wait_for_work(self, wait: bool) -> None:
-        """Poll the wake pipe and the replay socket (up to ``_IDLE_POLL_MS`` when
-        ``wait``); answer waiting replay requests."""
+        """Poll the wake pipe, the live socket's subscriptions and the replay socket (up to
+        ``_IDLE_POLL_MS`` when ``wait``); answer waiting replay requests."""
         ready = dict(self._poller.poll(_IDLE_POLL_MS if wait else 0))
         if self._wake_read_fd in ready:
             try:
@@ -338,8 +385,28 @@ class ZmqEventPublisher(EventPublisher):
                     pass
             except BlockingIOError:
                 pass
+        if self._pub in ready:
+            self._read_subscriptions()
         if self._replay is not None and self._replay in ready:
             self._serve_replay()
+
+    def _read_subscriptions(self) -> None:
+        """Drain the XPUB's subscription messages; while the engine has published nothing
+        but the start's clears, answer any subscription with one more clear (see the
+        module docstring)."""
+        import zmq
+
+        num_subscriptions = 0
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            num_subscriptions += message[:1] == b"\x01"
+        if num_subscriptions:
+            with self._cond:
+                if self._clears_new_subscribers and not self._closing:
+                    self._enqueue([AllBlocksCleared()], time.time())
 
     def _send(self, seq: int, ts: float, events: Sequence[KVCacheEvent]) -> None:
         batch = make_batch(events, ts, self._data_parallel_rank, self._block_hash_format)

@@ -18,6 +18,7 @@ from prefixcache.core import kv_events as core
 from prefixcache.entrypoints.cli import main
 from prefixcache.events.convert import block_hash_to_int64
 from prefixcache.events.publisher import ZmqEventPublisher
+from tests.events import VLLM_NUMBERING
 from tests.processes import REPO_ROOT, run_with_reader_gone
 
 DIGESTS = [bytes([i]) * 32 for i in range(4)]
@@ -35,7 +36,7 @@ def _records() -> list[list[core.KVCacheEvent]]:
 @pytest.fixture
 def publisher_with_history():
     publisher = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                                  block_hash_format="bytes")
+                                  block_hash_format="bytes", **VLLM_NUMBERING)
     for step, records in enumerate(_records()):
         publisher.publish(records, ts=1700000000.0 + step)
     deadline = time.monotonic() + 5.0
@@ -77,7 +78,8 @@ def test_readable_text_from_replay(publisher_with_history, capsys):
 
 
 def test_live_stream_with_int_hashes(capsys):
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                  **VLLM_NUMBERING)
     try:
         # Publish in the background until the command has printed two batches; the
         # replay endpoint fills whatever the just-connected SUB socket missed.
@@ -107,7 +109,7 @@ def test_live_stream_with_int_hashes(capsys):
 
 
 def test_timeout_without_batches_exits_1(capsys):
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", **VLLM_NUMBERING)
     try:
         assert main(["events", publisher.endpoint, "--timeout", "0.4"]) == 1
     finally:
@@ -193,7 +195,7 @@ def test_help_explains_the_command(capsys):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT delivery is POSIX-only here")
 def test_ctrl_c_stops_cleanly():
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", **VLLM_NUMBERING)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     process = subprocess.Popen(
         [sys.executable, "-m", "prefixcache", "events", publisher.endpoint, "--timeout", "20"],

@@ -27,6 +27,7 @@ from prefixcache.events.wire import (
     decode_batch,
     encode_batch,
 )
+from tests.events import VLLM_NUMBERING
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -164,7 +165,8 @@ def test_index_fed_by_a_real_publisher_matches_the_cached_set():
     # The deployment path end to end: engine steps -> publisher -> replay -> index.
     manager = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_events=True)
     workload = _Workload(manager, random.Random(99))
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                  **VLLM_NUMBERING)
     try:
         num_batches = 0
         for step in range(300):

@@ -24,6 +24,7 @@ from prefixcache.events.publisher import (
 )
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import decode_batch, encode_batch
+from tests.events import VLLM_NUMBERING
 from tests.processes import free_loopback_ports
 
 TCP_ANY_PORT = "tcp://127.0.0.1:*"
@@ -74,7 +75,8 @@ def _wait_until_subscribed(publisher: ZmqEventPublisher, subscriber: EventSubscr
 
 @pytest.fixture
 def publisher():
-    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, topic="kv@engine-0")
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, topic="kv@engine-0",
+                            **VLLM_NUMBERING)
     yield pub
     pub.close()
 
@@ -120,7 +122,8 @@ def test_a_batch_is_on_the_wire_when_wait_until_sent_returns(publisher):
 
 
 def test_live_frames_are_topic_seq_payload():
-    publisher = ZmqEventPublisher(TCP_ANY_PORT, topic="kv", data_parallel_rank=None)
+    publisher = ZmqEventPublisher(TCP_ANY_PORT, topic="kv", data_parallel_rank=None,
+                                  **VLLM_NUMBERING)
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     try:
@@ -282,7 +285,8 @@ def test_receive_fills_a_gap_from_replay(publisher):
 
 
 def test_full_queue_drops_the_oldest_and_counts():
-    small = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, max_queue_size=3)
+    small = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, max_queue_size=3,
+                              **VLLM_NUMBERING)
     entered = threading.Event()
     release = threading.Event()
     real_send = small._send
@@ -313,7 +317,7 @@ def test_full_queue_drops_the_oldest_and_counts():
 
 def test_subscriber_counts_batches_lost_to_drops():
     # A dropped batch keeps its sequence number, so a subscriber can tell it never saw it.
-    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT)
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, **VLLM_NUMBERING)
     try:
         with EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
             next_seq = _wait_until_subscribed(pub, sub)
@@ -335,7 +339,8 @@ def test_subscriber_counts_batches_lost_to_drops():
 
 
 def test_ipc_endpoints_in_tmp_path(tmp_path):
-    pub = ZmqEventPublisher(f"ipc://{tmp_path}/events", replay_endpoint=f"ipc://{tmp_path}/replay")
+    pub = ZmqEventPublisher(f"ipc://{tmp_path}/events", replay_endpoint=f"ipc://{tmp_path}/replay",
+                            **VLLM_NUMBERING)
     try:
         pub.publish(_step_records(3), ts=3.0)
         _wait_for(lambda: pub.num_published_batches == 1, "one batch sent")
@@ -351,7 +356,7 @@ def test_ipc_endpoints_in_tmp_path(tmp_path):
 def test_publisher_can_connect_to_a_binding_subscriber(tmp_path):
     endpoint = f"ipc://{tmp_path}/collector"
     with EventSubscriber(endpoint, bind=True) as sub:
-        pub = ZmqEventPublisher(endpoint, bind=False)
+        pub = ZmqEventPublisher(endpoint, bind=False, **VLLM_NUMBERING)
         try:
             assert _wait_until_subscribed(pub, sub) >= 1
         finally:
@@ -373,7 +378,7 @@ def test_empty_steps_publish_nothing_and_close_is_clean(publisher):
 
 def test_bind_errors_raise_from_the_constructor(publisher):
     with pytest.raises(zmq.ZMQError):
-        ZmqEventPublisher(publisher.endpoint)  # port already bound
+        ZmqEventPublisher(publisher.endpoint, **VLLM_NUMBERING)  # port already bound
 
 
 def test_null_publisher_and_factory():
@@ -382,7 +387,7 @@ def test_null_publisher_and_factory():
     null.publish(_step_records(0))
     null.close()
     assert null.num_dropped_batches == 0 and null.num_published_batches == 0
-    with make_event_publisher(TCP_ANY_PORT, topic="t") as pub:
+    with make_event_publisher(TCP_ANY_PORT, topic="t", **VLLM_NUMBERING) as pub:
         assert isinstance(pub, ZmqEventPublisher)
     assert not pub._thread.is_alive()
 
@@ -395,7 +400,7 @@ def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
     shared_replay_endpoint = f"tcp://127.0.0.1:{replay_port - rank}"
     pub = ZmqEventPublisher(endpoint_for_rank(shared_endpoint, rank),
                             replay_endpoint=endpoint_for_rank(shared_replay_endpoint, rank),
-                            data_parallel_rank=rank)
+                            data_parallel_rank=rank, **VLLM_NUMBERING)
     try:
         assert pub.endpoint == f"tcp://127.0.0.1:{live_port}"
         assert pub.replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
@@ -426,7 +431,7 @@ def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
 def test_close_tells_subscribers_the_cache_is_gone():
     """A closing publisher's last batch is AllBlocksCleared, numbered after the others, so
     a router drops this engine's blocks even when the replica comes back counting from 0."""
-    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT)
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, **VLLM_NUMBERING)
     with EventSubscriber(pub.endpoint) as sub:
         next_seq = _wait_until_subscribed(pub, sub)
         pub.publish(_step_records(1), ts=1.0)
@@ -442,6 +447,73 @@ def test_close_tells_subscribers_the_cache_is_gone():
 
 
 def test_a_publisher_that_published_nothing_closes_silently():
-    pub = ZmqEventPublisher(TCP_ANY_PORT)
+    pub = ZmqEventPublisher(TCP_ANY_PORT, **VLLM_NUMBERING)
     pub.close()
     assert pub.num_published_batches == 0
+
+
+def _event_names(received) -> list[str]:
+    return [type(e).__name__ for e in received.batch.events]
+
+
+def test_a_publisher_restarted_on_the_same_endpoints_numbers_past_the_dead_one():
+    """A replica that dies after one batch of blocks and comes back on the same endpoints:
+    the new publisher starts with AllBlocksCleared, numbered past every batch of the dead
+    one. A subscriber that knew the dead one therefore sees a skip (and replays, getting
+    the clear) rather than a number it has seen already, which it would drop."""
+    events_port, replay_port = free_loopback_ports(2)
+    endpoint = f"tcp://127.0.0.1:{events_port}"
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+    dead = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint, clear_on_close=False)
+    try:
+        dead.publish(_step_records(1), ts=1.0)
+        assert dead.wait_until_sent(DEADLINE_S)
+        with EventSubscriber(endpoint, replay_endpoint=replay_endpoint) as sub:
+            dead_batches = sub.replay(0)
+    finally:
+        dead.close()  # no last clear: as if the process had been killed
+    assert _event_names(dead_batches[0]) == ["AllBlocksCleared"]
+    assert "BlockStored" in _event_names(dead_batches[-1])
+
+    reborn = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint)
+    try:
+        assert reborn.wait_until_sent(DEADLINE_S)
+        with EventSubscriber(endpoint, replay_endpoint=replay_endpoint) as sub:
+            first = sub.replay(0)[0]
+    finally:
+        reborn.close()
+    assert first.seq > dead_batches[-1].seq + 1
+    assert _event_names(first) == ["AllBlocksCleared"]
+
+
+@pytest.mark.parametrize("first_seq", [-1, 1 << 63])
+def test_first_seq_must_fit_eight_signed_bytes(first_seq):
+    with pytest.raises(ValueError, match="first_seq"):
+        ZmqEventPublisher(TCP_ANY_PORT, first_seq=first_seq)
+
+
+def test_until_its_first_blocks_a_publisher_clears_every_new_subscriber_live():
+    """The start's clear goes out before a reconnecting router is back; each subscription
+    that arrives before the engine's first blocks gets a clear of its own, live. After
+    the first blocks, new subscribers get nothing but the engine's own batches."""
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT)
+    try:
+        with EventSubscriber(pub.endpoint) as sub:
+            received = sub.recv_live(DEADLINE_S)
+        assert received is not None, "a new subscriber got no clear"
+        assert _event_names(received) == ["AllBlocksCleared"]
+
+        pub.publish(_step_records(1), ts=1.0)
+        with EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
+            deadline = time.monotonic() + DEADLINE_S
+            while sub.recv_live(0.05) is None:  # until this subscriber is connected
+                assert time.monotonic() < deadline, "the subscriber never connected"
+                pub.publish(_step_records(4), ts=4.0)
+            replayed = sub.replay(0)
+    finally:
+        pub.close()
+    names = [_event_names(r) for r in replayed]
+    first_blocks = next(i for i, n in enumerate(names) if "BlockStored" in n)
+    assert first_blocks >= 2  # the start's clear and the first subscriber's
+    assert all(n == ["AllBlocksCleared"] for n in names[:first_blocks])
+    assert all("BlockStored" in n for n in names[first_blocks:])

@@ -129,9 +129,9 @@ def wait_until_published(replicas: list[Replica], http: httpx.Client, prompts: l
 def test_concurrent_follow_ups_land_where_their_document_is_cached(fleet):
     """Documents placed one per replica, then their follow-ups through the router two at a
     time, one per replica, with no pause after the documents: each lands on its document's
-    replica. (vllm-router's kv_aware cost counts each request in flight on a worker at
-    about its whole prompt, more than a follow-up's cached prefix saves, so two follow-ups
-    of documents on the *same* replica in flight together may split; docs/fleet.md.)"""
+    replica. (vllm-router's kv_aware cost multiplies a worker's uncached tokens in flight by
+    its number of requests in flight plus one, so follow-ups of short documents on the
+    *same* replica in flight together may split; docs/fleet.md.)"""
     router, replicas = fleet
     documents = [document(i) for i in range(6)]
 
@@ -195,3 +195,30 @@ def test_a_killed_replica_leaves_the_rotation_and_a_restarted_one_is_reindexed(f
         # new incarnation's events to send the follow-up there.
         answer = complete(http, f"{fresh} Question: which fox?")
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE
+
+
+def test_a_replica_killed_after_one_batch_leaves_no_stale_blocks_in_the_router(fleet):
+    """Replica 1 caches a long document (one batch of blocks), is killed and restarted on
+    the same ports; replica 0 then caches only the document's first part. A follow-up on
+    the whole document must go to replica 0: a router still holding the dead replica's
+    blocks would credit replica 1 with all of them. (With engines numbering their batches
+    from 0, the restarted replica's first batch repeated the dead one's only number, the
+    router dropped it as seen, and the dead blocks stayed.)"""
+    router, replicas = fleet
+    restarted, other = replicas[1], replicas[0]
+    words = document(300).split() + document(301).split()
+    long_doc, first_part = " ".join(words), " ".join(words[:len(words) // 3])
+    with httpx.Client(base_url=router.url, timeout=120) as http:
+        with httpx.Client(base_url=restarted.address.url, timeout=120) as direct:
+            complete(direct, long_doc)
+        wait_until_published([restarted], http, [long_doc])
+        restarted.process.stop(signal.SIGKILL)
+        restarted.start()
+        wait_for_health(http, restarted.address.url, healthy=True)
+        with httpx.Client(base_url=other.address.url, timeout=120) as direct:
+            complete(direct, first_part)
+        wait_until_published([other], http, [first_part])
+        num_first_part = http.post("/tokenize", json={"prompt": first_part}).json()["count"]
+        answer = complete(http, f"{long_doc} Question: which fox?")
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (num_first_part // BLOCK_SIZE - 1) * BLOCK_SIZE > 0, cached
