@@ -54,9 +54,10 @@ class SignatureReuseEstimate:
             self.epoch += 1
         return self.epoch
 
-    def credit(self, signature: Hashable, epoch: int) -> None:
-        """One block of ``signature``, inserted at ``epoch``, was looked up again."""
-        weight = 0.5 ** (self.epoch - epoch)
+    def credit(self, signature: Hashable, epoch: int, num_blocks: int = 1) -> None:
+        """``num_blocks`` blocks of ``signature``, inserted at ``epoch``, were looked up
+        again."""
+        weight = num_blocks * 0.5 ** (self.epoch - epoch)
         self.num_reused[signature] = self.num_reused.get(signature, 0.0) + weight
         self.total_reused += weight
 
