@@ -174,6 +174,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     decay_factor = 4
     switch_margin = 0.02
     reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
+    candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(blocks)
@@ -185,7 +186,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
         self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
-                                           c.low_reuse_first) for c in CANDIDATES]
+                                           c.low_reuse_first) for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
         self.num_blocks = num_blocks
@@ -199,19 +200,19 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # epoch), or None.
         self.ghost: OrderedDict[BlockHash, tuple[int, int] | None] = OrderedDict()
         self.leader = 0
-        self._follow(CANDIDATES[0])
+        self._follow(self.candidates[0])
 
     @property
     def current_candidate(self) -> Candidate:
-        return CANDIDATES[self.leader]
+        return self.candidates[self.leader]
 
     @property
     def current_protected_fraction(self) -> float:
-        return CANDIDATES[self.leader].protected_fraction
+        return self.candidates[self.leader].protected_fraction
 
     @property
     def evicts_low_reuse_first(self) -> bool:
-        return CANDIDATES[self.leader].low_reuse_first
+        return self.candidates[self.leader].low_reuse_first
 
     def _follow(self, candidate: Candidate) -> None:
         self.max_protected = int(candidate.protected_fraction * self.num_blocks)
@@ -355,7 +356,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         best = scores.index(max(scores))
         if best != self.leader and scores[best] > scores[self.leader] * (1 + self.switch_margin):
             self.leader = best
-            self._follow(CANDIDATES[best])
+            self._follow(self.candidates[best])
 
     def forget_cached_content(self) -> None:
         first = self.first
@@ -389,4 +390,4 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     def candidate_scores(self) -> dict[Candidate, float]:
         """Each candidate's decayed shadow hit count."""
         return {candidate: shadow.num_hits
-                for candidate, shadow in zip(CANDIDATES, self.shadows, strict=True)}
+                for candidate, shadow in zip(self.candidates, self.shadows, strict=True)}
