@@ -19,17 +19,20 @@ points below LRU), and the left-out trace's figures under it are reported
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
-        [--lofo-variants shadow-256,shadow-1024,no-low-reuse]
+        [--lofo-variants shadow-256,shadow-1024,no-low-reuse] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
-be measured by separate processes; ``--combine`` then merges their outputs into one, with
+be measured by separate processes; ``--split-trace N`` measures the shared trace as ``N``
+consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
+of it what was seen on the whole; ``--combine`` then merges their outputs into one, with
 the summary and the leave-one-out check over all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -42,7 +45,7 @@ from prefixcache.core.eviction.adaptive import CANDIDATES
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
-from prefixcache.sim.trace import load_trace
+from prefixcache.sim.trace import Trace, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
@@ -61,6 +64,13 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "shadow-1024": {"shadow_entries": 1024},
     "no-low-reuse": {"candidates": tuple(c for c in CANDIDATES if not c.low_reuse_first)},
 }
+
+
+def split_in_time(requests: list, num_parts: int) -> list[list]:
+    """``requests`` (in time order) cut into ``num_parts`` consecutive parts of nearly
+    equal size."""
+    bounds = [len(requests) * i // num_parts for i in range(num_parts + 1)]
+    return [requests[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 def adaptive_figures(lru: list[float], belady: list[float], adaptive: list[float]) -> dict:
@@ -94,9 +104,9 @@ def leave_one_out(per_value: dict[str, dict[str, dict]]) -> dict:
     return report
 
 
-def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
+def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
              lofo_variants: list[str]) -> dict:
-    prepared = prepare_trace(load_trace(path), TraceExpander(512))
+    prepared = prepare_trace(trace, TraceExpander(512))
     working_set = len({h for hashes in prepared.block_hashes for h in hashes})
     capacities = sorted({max(1, round(f * working_set)) for f in fractions})
     result = sweep(prepared, capacities, policies)
@@ -190,6 +200,8 @@ def main() -> int:
     parser.add_argument("--shadow-entries", type=int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
+    parser.add_argument("--split-trace", type=int, default=1, metavar="N",
+                        help="measure the shared trace as N consecutive parts, each alone")
     parser.add_argument("--combine", nargs="+", type=Path, metavar="PART",
                         help="merge the outputs of earlier runs instead of measuring")
     parser.add_argument("--lofo-variants", default=",".join(
@@ -199,6 +211,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.combine:
         return combine(args.combine)
+    if args.split_trace < 1:
+        parser.error("--split-trace must be at least 1")
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = args.policies.split(",")
@@ -217,10 +231,17 @@ def main() -> int:
             with path.open("w") as handle:
                 write_trace(generate_requests(family, args.seed, args.num_requests), handle,
                             "mooncake", args.seed)
-            traces[family] = evaluate(path, fractions, policies, lofo_variants)
+            traces[family] = evaluate(load_trace(path), fractions, policies, lofo_variants)
             print(f"{family}: done", file=sys.stderr)
     if args.trace and Path(args.trace).exists():
-        traces["shared"] = evaluate(Path(args.trace), fractions, policies, lofo_variants)
+        shared = load_trace(Path(args.trace))
+        if args.split_trace == 1:
+            traces["shared"] = evaluate(shared, fractions, policies, lofo_variants)
+        for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1):
+            if args.split_trace > 1:
+                traces[f"shared-{part}/{args.split_trace}"] = evaluate(
+                    dataclasses.replace(shared, requests=requests), fractions, policies,
+                    lofo_variants)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
