@@ -8,26 +8,31 @@ trace it reports where the LRU->Belady gap is widest, the share of it ``adaptive
 there, the least ``adaptive - lru`` over the sweep (points), and the replay time of
 ``adaptive`` against ``lru``'s summed over the sweep.
 
-Leave-one-trace-out validation of ``adaptive``'s one size constant, the number of
-entries per shadow cache (``shadow_entries``): ``adaptive`` is replayed on every trace with
-each value of ``--lofo-shadow-entries``; for each trace left out, the value with the best
-mean score on the *other* traces is chosen (score: the share of the widest gap closed,
-minus 1 for every capacity more than 0.2 points below LRU), and the left-out trace's
-figures under that value are reported (``leave_one_out``).
+Leave-one-trace-out validation of ``adaptive``'s design choices, its *variants*: the
+registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-1024``: entries
+per shadow) and the candidate set without the low-reuse-first orders (``no-low-reuse``).
+``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
+trace left out, the variant with the best mean score on the *other* traces is chosen
+(score: the share of the widest gap closed, minus 1 for every capacity more than 0.2
+points below LRU), and the left-out trace's figures under it are reported
+(``leave_one_out``).
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
-        [--families chat,rag,...] [--trace PATH] [--quick]
-        [--lofo-shadow-entries 256,512,1024]
+        [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
+        [--lofo-variants shadow-256,shadow-1024,no-low-reuse] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
-be measured by separate processes; ``--combine`` then merges their outputs into one, with
+be measured by separate processes; ``--split-trace N`` measures the shared trace as ``N``
+consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
+of it what was seen on the whole; ``--combine`` then merges their outputs into one, with
 the summary and the leave-one-out check over all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -36,10 +41,11 @@ import tempfile
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.core.eviction.adaptive import CANDIDATES
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
-from prefixcache.sim.trace import load_trace
+from prefixcache.sim.trace import Trace, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
@@ -49,6 +55,22 @@ QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
 
 LOFO_TOLERANCE_POINTS = 0.2
+REGISTERED = "registered"
+#: The variants of ``adaptive`` the leave-one-out check chooses among: class attributes
+#: to override.
+ADAPTIVE_VARIANTS: dict[str, dict] = {
+    REGISTERED: {},
+    "shadow-256": {"shadow_entries": 256},
+    "shadow-1024": {"shadow_entries": 1024},
+    "no-low-reuse": {"candidates": tuple(c for c in CANDIDATES if not c.low_reuse_first)},
+}
+
+
+def split_in_time(requests: list, num_parts: int) -> list[list]:
+    """``requests`` (in time order) cut into ``num_parts`` consecutive parts of nearly
+    equal size."""
+    bounds = [len(requests) * i // num_parts for i in range(num_parts + 1)]
+    return [requests[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 def adaptive_figures(lru: list[float], belady: list[float], adaptive: list[float]) -> dict:
@@ -69,37 +91,41 @@ def lofo_score(figures: dict) -> float:
     return closed - (figures["min_minus_lru_points"] < -LOFO_TOLERANCE_POINTS)
 
 
-def leave_one_out(per_value: dict[int, dict[str, dict]]) -> dict:
-    """For each trace, the shadow size best on the others, and the trace's figures under
-    it (``per_value[value][trace]`` holds :func:`adaptive_figures`)."""
+def leave_one_out(per_value: dict[str, dict[str, dict]]) -> dict:
+    """For each trace, the variant best on the others, and the trace's figures under it
+    (``per_value[variant][trace]`` holds :func:`adaptive_figures`)."""
     traces = list(next(iter(per_value.values())))
     report = {}
     for left_out in traces:
         others = [t for t in traces if t != left_out]
         chosen = max(per_value, key=lambda value: sum(
             lofo_score(per_value[value][t]) for t in others) / max(1, len(others)))
-        report[left_out] = {"chosen_shadow_entries": chosen, **per_value[chosen][left_out]}
+        report[left_out] = {"chosen_variant": chosen, **per_value[chosen][left_out]}
     return report
 
 
-def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
-             lofo_values: list[int]) -> dict:
-    prepared = prepare_trace(load_trace(path), TraceExpander(512))
+def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
+             lofo_variants: list[str]) -> dict:
+    prepared = prepare_trace(trace, TraceExpander(512))
     working_set = len({h for hashes in prepared.block_hashes for h in hashes})
     capacities = sorted({max(1, round(f * working_set)) for f in fractions})
     result = sweep(prepared, capacities, policies)
     adaptive_class = EVICTION_POLICIES["adaptive"]
-    default_entries = adaptive_class.shadow_entries
-    shadow_entries_to_rates = {default_entries: result.policy_to_hit_rates["adaptive"]}
-    for value in lofo_values:
-        if value not in shadow_entries_to_rates:
-            adaptive_class.shadow_entries = value
-            try:
-                shadow_entries_to_rates[value] = sweep(
-                    prepared, capacities, ["adaptive"], with_belady=False
-                ).policy_to_hit_rates["adaptive"]
-            finally:
-                adaptive_class.shadow_entries = default_entries
+    variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
+    for variant in lofo_variants:
+        if variant in variant_to_rates:
+            continue
+        overrides = ADAPTIVE_VARIANTS[variant]
+        saved = {name: getattr(adaptive_class, name) for name in overrides}
+        for name, value in overrides.items():
+            setattr(adaptive_class, name, value)
+        try:
+            variant_to_rates[variant] = sweep(
+                prepared, capacities, ["adaptive"], with_belady=False
+            ).policy_to_hit_rates["adaptive"]
+        finally:
+            for name, value in saved.items():
+                setattr(adaptive_class, name, value)
     rates = result.policy_to_hit_rates
     lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
     gaps = [b - a for a, b in zip(lru, belady, strict=True)]
@@ -127,16 +153,16 @@ def evaluate(path: Path, fractions: tuple[float, ...], policies: list[str],
             100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
         "replay_seconds": {p: round(s, 2) for p, s in seconds.items()},
         "adaptive_over_lru_replay_time": round(seconds["adaptive"] / seconds["lru"], 2),
-        "adaptive_by_shadow_entries": {
-            str(value): {"hit_rates": [round(r, 5) for r in rates],
-                    **adaptive_figures(lru, belady, rates)}
-            for value, rates in sorted(shadow_entries_to_rates.items())},
+        "adaptive_by_variant": {
+            variant: {"hit_rates": [round(r, 5) for r in rates],
+                      **adaptive_figures(lru, belady, rates)}
+            for variant, rates in variant_to_rates.items()},
     }
 
 
 def add_summary(output: dict) -> None:
-    """The per-trace headline figures and, with more than one shadow size, the
-    leave-one-out check, from ``output["traces"]``."""
+    """The per-trace headline figures and, with more than one variant, the leave-one-out
+    check, from ``output["traces"]``."""
     traces = output["traces"]
     output["summary"] = {
         name: {"adaptive_fraction_of_widest_gap_closed":
@@ -144,11 +170,11 @@ def add_summary(output: dict) -> None:
                "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
                "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
         for name, t in traces.items()}
-    values = sorted({*output["lofo_shadow_entries"], output["adaptive_shadow_entries"]})
-    if len(values) > 1 and len(traces) > 1:
+    variants = [REGISTERED, *[v for v in output["lofo_variants"] if v != REGISTERED]]
+    if len(variants) > 1 and len(traces) > 1:
         output["leave_one_out"] = leave_one_out(
-            {value: {name: t["adaptive_by_shadow_entries"][str(value)]
-                     for name, t in traces.items()} for value in values})
+            {variant: {name: t["adaptive_by_variant"][variant]
+                       for name, t in traces.items()} for variant in variants})
 
 
 def combine(paths: list[Path]) -> int:
@@ -174,20 +200,30 @@ def main() -> int:
     parser.add_argument("--shadow-entries", type=int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
+    parser.add_argument("--split-trace", type=int, default=1, metavar="N",
+                        help="measure the shared trace as N consecutive parts, each alone")
     parser.add_argument("--combine", nargs="+", type=Path, metavar="PART",
                         help="merge the outputs of earlier runs instead of measuring")
-    parser.add_argument("--lofo-shadow-entries", default="256,512,1024",
-                        help="shadow sizes for the leave-one-trace-out check ('' to skip)")
+    parser.add_argument("--lofo-variants", default=",".join(
+        v for v in ADAPTIVE_VARIANTS if v != REGISTERED),
+        help="adaptive's variants for the leave-one-trace-out check, among "
+             f"{', '.join(ADAPTIVE_VARIANTS)} ('' to skip)")
     args = parser.parse_args()
     if args.combine:
         return combine(args.combine)
+    if args.split_trace < 1:
+        parser.error("--split-trace must be at least 1")
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = args.policies.split(",")
     if "lru" not in policies or "adaptive" not in policies:
         parser.error("--policies must include lru and adaptive")
     fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
-    lofo_values = [int(v) for v in args.lofo_shadow_entries.split(",") if v]
+    lofo_variants = [v for v in args.lofo_variants.split(",") if v]
+    unknown = [v for v in lofo_variants if v not in ADAPTIVE_VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "
+                     f"{', '.join(ADAPTIVE_VARIANTS)}")
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in filter(None, args.families.split(",")):
@@ -195,10 +231,17 @@ def main() -> int:
             with path.open("w") as handle:
                 write_trace(generate_requests(family, args.seed, args.num_requests), handle,
                             "mooncake", args.seed)
-            traces[family] = evaluate(path, fractions, policies, lofo_values)
+            traces[family] = evaluate(load_trace(path), fractions, policies, lofo_variants)
             print(f"{family}: done", file=sys.stderr)
     if args.trace and Path(args.trace).exists():
-        traces["shared"] = evaluate(Path(args.trace), fractions, policies, lofo_values)
+        shared = load_trace(Path(args.trace))
+        if args.split_trace == 1:
+            traces["shared"] = evaluate(shared, fractions, policies, lofo_variants)
+        for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1):
+            if args.split_trace > 1:
+                traces[f"shared-{part}/{args.split_trace}"] = evaluate(
+                    dataclasses.replace(shared, requests=requests), fractions, policies,
+                    lofo_variants)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -207,7 +250,7 @@ def main() -> int:
         "seed": args.seed,
         "capacity_fractions_of_working_set": fractions,
         "adaptive_shadow_entries": EVICTION_POLICIES["adaptive"].shadow_entries,
-        "lofo_shadow_entries": lofo_values,
+        "lofo_variants": lofo_variants,
         "traces": traces,
     }
     add_summary(output)

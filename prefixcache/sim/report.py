@@ -59,12 +59,14 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
 
 
 def format_adaptive(state: dict) -> str:
-    """adaptive's choice: the protected share it follows at the end, and each candidate
-    share's part of the hits its shadow cache counted (decayed)."""
-    shares = ", ".join(f"{float(share):.0%}: {part:.1%}"
-                       for share, part in state["candidate_hit_shares"].items())
-    return (f"adaptive: protected share {state['protected_fraction']:.0%} at the end; "
-            f"shadow hits by candidate share: {shares}")
+    """adaptive's choice: the candidate order it follows at the end (protected share, and
+    whether low-reuse content goes first), and each candidate's part of the hits its
+    shadow cache counted (decayed)."""
+    shares = ", ".join(f"{label}: {part:.1%}"
+                       for label, part in state["candidate_hit_shares"].items())
+    low_reuse = ", low-reuse content first" if state.get("low_reuse_first") else ""
+    return (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse} at the "
+            f"end; shadow hits by candidate: {shares}")
 
 
 def format_learned_reuse(state: dict) -> str:

@@ -1,4 +1,5 @@
-"""``adaptive``: a segmented LRU whose protected share follows sampled shadow caches."""
+"""``adaptive``: a segmented LRU whose protected share, and whether it evicts low-reuse
+content first, follow sampled shadow caches."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 from prefixcache.core.eviction.adaptive import (
     CANDIDATE_PROTECTED_FRACTIONS,
+    CANDIDATES,
     AdaptiveFreeBlockQueue,
     ShadowSegmentedLRU,
 )
@@ -44,17 +46,33 @@ def test_protected_shadow_keeps_reused_hashes_through_a_scan():
     assert (lru.num_hits, segmented.num_hits) == (1, 2)
 
 
+def test_low_reuse_shadow_evicts_marked_new_hashes_first():
+    plain, low_first = ShadowSegmentedLRU(3, 0.0), ShadowSegmentedLRU(3, 0.0, True)
+    for shadow in (plain, low_first):
+        shadow.access([b"doc"])
+        shadow.access([b"x1", b"x2", b"x3"], {b"x1", b"x2", b"x3"})  # one-off, low reuse
+        shadow.access([b"doc"])
+    assert (plain.num_hits, low_first.num_hits) == (0, 1)
+    assert not plain.low_reuse  # a shadow without the candidate ignores the marks
+
+
 def make_manager(num_blocks: int) -> KVCacheManager:
     return KVCacheManager(num_blocks, BLOCK_SIZE, eviction_policy="adaptive")
 
 
-def run_prompt(manager: KVCacheManager, request_id: str, token_ids: list[int]) -> int:
-    """Look up, allocate and free one prompt; returns its hit tokens."""
+def run_prompt(manager: KVCacheManager, request_id: str, token_ids: list[int],
+               num_output_tokens: int = 0) -> int:
+    """Look up, allocate, decode ``num_output_tokens`` and free one prompt; returns its
+    hit tokens."""
     request = Request(request_id, token_ids, block_hasher=manager.block_hasher)
     blocks, num_hit_tokens = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, len(token_ids) - num_hit_tokens, num_hit_tokens,
                                   blocks) is not None
     request.num_computed_tokens = len(token_ids)
+    for step in range(num_output_tokens):
+        request.append_output_token_ids(7 + step)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
     manager.free(request)
     return num_hit_tokens
 
@@ -90,12 +108,12 @@ def test_follows_the_protected_share_when_one_offs_flush_a_popular_prefix():
     queue = manager.block_pool.free_block_queue
     assert queue.current_protected_fraction > 0
     scores = queue.candidate_scores()
-    assert scores[queue.current_protected_fraction] > scores[0.0]
+    assert scores[queue.current_candidate] > scores[CANDIDATES[0]]
     assert lru_hits == 0
     assert adaptive_hits > 25 * 32  # all but the first few asks hit the whole prefix
     state = queue.policy_state()
     assert state["protected_fraction"] == queue.current_protected_fraction
-    assert set(state["candidate_hit_shares"]) == {"0.0", "0.5", "0.9"}
+    assert set(state["candidate_hit_shares"]) == {c.label for c in CANDIDATES}
     assert sum(state["candidate_hit_shares"].values()) == pytest.approx(1, abs=1e-3)
 
 
@@ -129,14 +147,37 @@ def test_never_far_below_lru_on_small_generated_traces(family, tmp_path):
         assert adaptive >= lru - 0.002, (num_blocks, lru, adaptive)
 
 
+def test_evicts_the_new_content_of_long_answers_first_once_it_learns_they_are_one_offs():
+    """Documents with one-token answers are asked about again four requests later; in
+    between come one-off prompts with long answers, twice the cache in size. LRU and
+    ``2q`` (a document is reused only on its second ask) lose every document; once the
+    queue has seen that long answers' content never comes back, it evicts that first."""
+    num_hits = {}
+    for policy in ("adaptive", "lru", "2q"):
+        manager = KVCacheManager(72, BLOCK_SIZE, eviction_policy=policy)
+        num_hits[policy] = 0
+        for i in range(150):
+            run_prompt(manager, f"doc{i}", [1_000_000 + 100 * i + t for t in range(17)], 1)
+            run_prompt(manager, f"one-off{i}", [10_000_000 + 1000 * i + t for t in range(33)],
+                       64)
+            if i >= 4:
+                num_hits[policy] += run_prompt(
+                    manager, f"again{i}", [1_000_000 + 100 * (i - 4) + t for t in range(17)], 1)
+        if policy == "adaptive":
+            queue = manager.block_pool.free_block_queue
+            assert queue.evicts_low_reuse_first
+            assert queue.policy_state()["low_reuse_first"] is True
+    assert num_hits["lru"] == num_hits["2q"] == 0
+    assert num_hits["adaptive"] > 100 * 16  # all but the first few documents hit
+
+
 def test_reset_forgets_shadows_but_keeps_the_choice():
     manager = make_manager(24)
     queue = manager.block_pool.free_block_queue
     queue.leader = len(CANDIDATE_PROTECTED_FRACTIONS) - 1
     run_prompt(manager, "a", list(range(40)))
     assert manager.reset_prefix_cache()
-    assert all(not shadow.probation and not shadow.protected and not shadow.ghost
-               for shadow in queue.shadows)
+    assert all(not len(shadow) and not shadow.ghost for shadow in queue.shadows)
     assert queue.upper.num_free_blocks == 0
     assert queue.current_protected_fraction == CANDIDATE_PROTECTED_FRACTIONS[-1]
 

@@ -205,14 +205,22 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert block.prev_free_block is None and block.next_free_block is None
         assert math.isclose(self.mgr.usage, (NUM_BLOCKS - len(free)) / NUM_BLOCKS)
         if isinstance(queue, TwoSegmentFreeBlockQueue):
-            # Two linked lists, lower then upper, each consistent both ways.
+            # Two linked lists, lower then upper, each consistent both ways; adaptive's
+            # first segment, a third list, comes before them.
+            first_segment = getattr(queue, "first", None)
+            num_first = first_segment.num_free_blocks if first_segment is not None else 0
+            first_ids = {block.block_id for block in free[:num_first]}
+            if first_segment is not None:
+                assert_links_agree(first_segment, free[:num_first])
+                free = free[num_first:]
             lower = free[:queue.num_lower]
             upper = free[queue.num_lower:]
             assert len(upper) == queue.upper.num_free_blocks
             assert_links_agree(queue, lower)
             assert_links_agree(queue.upper, upper)
             for block in pool.blocks:
-                assert queue.in_upper[block.block_id] == (block in upper)
+                expected = 2 if block.block_id in first_ids else int(block in upper)
+                assert queue.in_upper[block.block_id] == expected
         elif isinstance(queue, (ScoredFreeBlockQueue, GroupedScoredFreeBlockQueue)):
             # A heap: only free blocks carry the "in the queue" (odd) version.
             for block in pool.blocks:

@@ -60,8 +60,10 @@ def test_online_stands_for_every_online_policy_in_order_without_repeats(small_tr
 def test_adaptive_replay_shows_the_share_it_follows(small_trace, tmp_path, capsys):
     (run,) = replay_to_json(small_trace, tmp_path, 1000, "adaptive")["runs"]
     text = capsys.readouterr().out
-    share = run["policy_state"]["protected_fraction"]
-    assert f"adaptive: protected share {share:.0%} at the end" in text
+    state = run["policy_state"]
+    low_reuse = ", low-reuse content first" if state["low_reuse_first"] else ""
+    assert (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse} "
+            f"at the end") in text
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):

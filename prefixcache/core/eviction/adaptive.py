@@ -1,71 +1,123 @@
-"""``adaptive`` eviction: a segmented LRU whose protected share is chosen online by
-simulating, on a sample of the traffic, what each candidate share would have hit.
+"""``adaptive`` eviction: a segmented LRU whose protected share, and whether it evicts the
+new content of rarely reused kinds of requests first, are chosen online by simulating, on
+a sample of the traffic, what each candidate would have hit.
 
 The real free queue is :class:`~prefixcache.core.eviction.TwoQueueFreeBlockQueue`'s:
 content referenced a second time (hit while free, or recomputed while its hash is in the
 ghost list of recent evictions) goes to a *protected* segment evicted after every
-*probation* block; unhashed blocks go first. What differs is the cap on the protected
-segment: ``protected_fraction`` times the number of blocks, where the fraction is one of
-:data:`CANDIDATE_PROTECTED_FRACTIONS`. A fraction of 0 protects nothing: the queue is then
-``unhashed-first`` (LRU order, empty blocks first). Larger fractions resist one-off
-content (fresh questions, tool outputs, one-off prompts) flushing what is looked up again,
-and lose when what matters is recency (a conversation's newest turn).
+*probation* block. In front of both is a *first* segment: blocks holding nothing (at its
+head) and, when the candidate followed says so, *low-reuse* content (at its tail). A
+candidate (:data:`CANDIDATES`) is a pair:
 
-Which fraction holds is decided by *shadow caches*, one per candidate: hash-only segmented
+- the cap on the protected segment, ``protected_fraction`` times the number of blocks. A
+  fraction of 0 protects nothing: the queue is then ``unhashed-first`` (LRU order, empty
+  blocks first). Larger fractions resist one-off content (fresh questions, tool outputs,
+  one-off prompts) flushing what is looked up again, and lose when what matters is
+  recency (a conversation's newest turn);
+- whether low-reuse content is evicted first: the content a finished request cached new
+  (filled since its block was last taken), when its *signature* — the bit length of the
+  number of tokens it generated, as in ``learned-reuse`` — is one whose new content is
+  looked up again less than half as often as new content overall
+  (:class:`~prefixcache.core.eviction.signature_reuse.SignatureReuseEstimate`: hits on
+  free blocks and recomputations from the ghost list count as look-ups; counts halve
+  every ``8 * num_blocks`` inserted blocks). The estimate is kept whichever candidate is
+  followed, so switching to it needs no warm-up.
+
+Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
 LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries fed with the hashes, among
 each finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
 sampling: a hash is always in or always out, so the shadows see a consistent miniature of
-the traffic). A shadow counts a hit for a sampled hash it holds when the request comes
-back. Every shadow's hit count decays by half each time the shadows have seen
-``decay_factor`` times their capacity in sampled hashes, so the choice follows the traffic
-as it changes. The queue follows the candidate with the most decayed hits, but leaves the
-current one only for a candidate ahead by more than ``switch_margin`` of its count (noise
-in the sample must not make it flap). It starts at fraction 0, the design's order.
+the traffic), each told which of them the real queue judged low-reuse. A shadow counts a
+hit for a sampled hash it holds when the request comes back. Every shadow's hit count
+decays by half each time the shadows have seen ``decay_factor`` times their capacity in
+sampled hashes, so the choice follows the traffic as it changes. The queue follows the
+candidate with the most decayed hits, but leaves the current one only for a candidate
+ahead by more than ``switch_margin`` of its count (noise in the sample must not make it
+flap). It starts at the first candidate, the design's order with empty blocks first.
 
-Cost: per finished request, one byte comparison per block hash and, for the sampled ones
-(``sample_rate`` of them), one ordered-dict operation per shadow. Memory: the real queue's
-ghost list (``2 * num_blocks`` hashes) plus, per shadow, at most
+Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
+released block and, for the sampled hashes (``sample_rate`` of them), one ordered-dict
+operation per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
+with the signature of its content when it was still unproven), three bytes and one slot
+per block, a few counters per signature, plus, per shadow, at most
 ``2 * sample_rate * num_blocks`` hashes (entries and ghost; ``sample_rate * num_blocks``
-is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset empties
-the shadows as well as the queue's marks and ghost; the learned scores are kept.
+is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset
+empties the shadows as well as the queue's marks and ghost; the learned scores, the
+reuse estimate and the choice are kept.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction.segmented import TwoQueueFreeBlockQueue
+from prefixcache.core.eviction.base import FreeKVCacheBlockQueue
+from prefixcache.core.eviction.learned_reuse import output_length_signature
+from prefixcache.core.eviction.segmented import (
+    TwoQueueFreeBlockQueue,
+    TwoSegmentFreeBlockQueue,
+)
+from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.core.hashing import BlockHash
-from prefixcache.core.request import Request
+from prefixcache.core.request import Request, RequestStatus
 
-#: The protected shares the queue chooses among: the design's LRU order, and two
-#: segmented LRUs (the second is ``2q``'s).
-CANDIDATE_PROTECTED_FRACTIONS = (0.0, 0.5, 0.9)
+
+class Candidate(NamedTuple):
+    """One order the queue can follow."""
+
+    protected_fraction: float
+    low_reuse_first: bool
+
+    @property
+    def label(self) -> str:
+        return (f"{self.protected_fraction:.0%} protected"
+                + (", low-reuse first" if self.low_reuse_first else ""))
+
+
+#: The orders the queue chooses among: the design's LRU order, two segmented LRUs (the
+#: second is ``2q``'s), and the first and last of those with low-reuse content first.
+CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.9, False),
+              Candidate(0.0, True), Candidate(0.9, True))
+#: The protected shares among :data:`CANDIDATES`, in order, without repeats.
+CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES))
+
+# Where a free block is: in_upper's values (TwoSegmentFreeBlockQueue uses 0 and 1).
+_IN_LOWER, _IN_UPPER, _IN_FIRST = 0, 1, 2
 
 
 class ShadowSegmentedLRU:
     """A hash-only segmented LRU of ``capacity`` entries with ``2q``'s promotion rules:
     a hash seen again while held, or while in the ghost list of its last ``capacity``
     evictions, is protected; protected holds at most ``protected_fraction`` of the
-    entries, its oldest demoted to the newest probation ones."""
+    entries, its oldest demoted to the newest probation ones. With ``low_reuse_first``,
+    new hashes the caller marks low-reuse wait in a segment evicted before probation."""
 
-    __slots__ = ("capacity", "max_protected", "probation", "protected", "ghost", "num_hits")
+    __slots__ = ("capacity", "max_protected", "low_reuse_first", "low_reuse", "probation",
+                 "protected", "ghost", "num_hits")
 
-    def __init__(self, capacity: int, protected_fraction: float) -> None:
+    def __init__(self, capacity: int, protected_fraction: float,
+                 low_reuse_first: bool = False) -> None:
         self.capacity = max(1, capacity)
         self.max_protected = int(protected_fraction * self.capacity)
+        self.low_reuse_first = low_reuse_first
+        self.low_reuse: OrderedDict[BlockHash, None] = OrderedDict()
         self.probation: OrderedDict[BlockHash, None] = OrderedDict()
         self.protected: OrderedDict[BlockHash, None] = OrderedDict()
         self.ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self.num_hits = 0.0
 
-    def access(self, hashes: list[BlockHash]) -> None:
+    def access(self, hashes: list[BlockHash],
+               low_reuse_hashes: frozenset[BlockHash] | set[BlockHash] = frozenset()) -> None:
         """One request's sampled hashes, prefix first: count the held ones as hits, then
         make all of them the most recent, the deepest least recent (it is evicted first,
-        as in the real queue's release order)."""
+        as in the real queue's release order). New hashes in ``low_reuse_hashes`` go to
+        the low-reuse segment when this shadow evicts such content first."""
         probation, protected, ghost = self.probation, self.protected, self.ghost
+        low_reuse = self.low_reuse
+        if not self.low_reuse_first:
+            low_reuse_hashes = frozenset()
         num_hits = 0
         # One pass: a request's hashes are distinct, so each one's membership when it is
         # reached is what it was before the request.
@@ -77,69 +129,213 @@ class ShadowSegmentedLRU:
                 del probation[block_hash]
                 protected[block_hash] = None
                 num_hits += 1
+            elif block_hash in low_reuse:
+                del low_reuse[block_hash]
+                protected[block_hash] = None
+                num_hits += 1
             elif block_hash in ghost:
                 del ghost[block_hash]
                 protected[block_hash] = None
+            elif block_hash in low_reuse_hashes:
+                low_reuse[block_hash] = None
             else:
                 probation[block_hash] = None
         self.num_hits += num_hits
         while len(protected) > self.max_protected:
             block_hash, _ = protected.popitem(last=False)
             probation[block_hash] = None
-        excess = len(probation) + len(protected) - self.capacity
+        excess = len(low_reuse) + len(probation) + len(protected) - self.capacity
         while excess > 0:
-            segment = probation if probation else protected
+            segment = low_reuse if low_reuse else probation if probation else protected
             block_hash, _ = segment.popitem(last=False)
             ghost[block_hash] = None
             excess -= 1
         while len(ghost) > self.capacity:
             ghost.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self.low_reuse) + len(self.probation) + len(self.protected)
+
     def forget(self) -> None:
+        self.low_reuse.clear()
         self.probation.clear()
         self.protected.clear()
         self.ghost.clear()
 
 
 class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
-    """``2q``'s queue with its protected share chosen online (module docstring)."""
+    """``2q``'s queue, with a first segment for empty and low-reuse blocks, following
+    online whichever candidate order its shadows would have hit most with (module
+    docstring)."""
 
     policy_name = "adaptive"
-    summary = "follows online whichever protected share would have hit most"
+    summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
     shadow_entries = 512  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
+    reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
+    candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(blocks)
+        self.first = FreeKVCacheBlockQueue(())
         super().__init__(blocks)
         num_blocks = max(1, len(blocks))
         # The last byte of a hash is uniform: sample the hashes whose byte is below this.
         self.sample_threshold = max(1, min(256, round(256 * self.shadow_entries / num_blocks)))
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
-        self.shadows = [ShadowSegmentedLRU(shadow_capacity, fraction)
-                        for fraction in CANDIDATE_PROTECTED_FRACTIONS]
+        self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
+                                           c.low_reuse_first) for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
         self.num_blocks = num_blocks
+        self.reuse = SignatureReuseEstimate(self.reuse_memory_factor * num_blocks)
+        # Per block: filled since last taken and not yet released by a finished request;
+        # the signature and epoch of its still unproven new content (None once looked up).
+        self.is_new = bytearray(self.num_block_ids)
+        self.block_signature: list[int | None] = [None] * self.num_block_ids
+        self.block_epoch = [0] * self.num_block_ids
+        # The real ghost list maps an evicted hash to its unproven content's (signature,
+        # epoch), or None.
+        self.ghost: OrderedDict[BlockHash, tuple[int, int] | None] = OrderedDict()
         self.leader = 0
-        self._set_protected_fraction(CANDIDATE_PROTECTED_FRACTIONS[0])
+        self._follow(self.candidates[0])
+
+    @property
+    def current_candidate(self) -> Candidate:
+        return self.candidates[self.leader]
 
     @property
     def current_protected_fraction(self) -> float:
-        return CANDIDATE_PROTECTED_FRACTIONS[self.leader]
+        return self.candidates[self.leader].protected_fraction
 
-    def _set_protected_fraction(self, fraction: float) -> None:
-        self.max_protected = int(fraction * self.num_blocks)
+    @property
+    def evicts_low_reuse_first(self) -> bool:
+        return self.candidates[self.leader].low_reuse_first
+
+    def _follow(self, candidate: Candidate) -> None:
+        self.max_protected = int(candidate.protected_fraction * self.num_blocks)
         self._protect([])  # demotes whatever the new cap leaves over to probation
 
-    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
-        super().release(blocks, request)
-        if request is not None:
-            self._observe(request.block_hashes)
+    # -- what the pool calls --------------------------------------------------------------
 
-    def _observe(self, block_hashes: list[BlockHash]) -> None:
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        self._check_take(n)
+        first = self.first
+        from_first = min(n, first.num_free_blocks)
+        popped = first.popleft_n(from_first)
+        self.num_free_blocks -= from_first
+        in_upper = self.in_upper
+        for block in popped:
+            in_upper[block.block_id] = _IN_LOWER
+        if from_first < n:
+            popped += TwoSegmentFreeBlockQueue.popleft_n(self, n - from_first)
+        is_reused, is_new = self.is_reused, self.is_new
+        block_signature, block_epoch = self.block_signature, self.block_epoch
+        ghost = self.ghost
+        for block in popped:
+            block_id = block.block_id
+            is_reused[block_id] = 0
+            is_new[block_id] = 1
+            if block.block_hash is not None:  # about to be evicted by the pool
+                signature = block_signature[block_id]
+                ghost[block.block_hash] = (None if signature is None
+                                           else (signature, block_epoch[block_id]))
+            block_signature[block_id] = None
+        while len(ghost) > self.max_ghost:
+            ghost.popitem(last=False)
+        return popped
+
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block_id = block.block_id
+        if self.in_upper[block_id] == _IN_FIRST:
+            self.in_upper[block_id] = _IN_LOWER
+            self.first.remove(block)
+            self.num_free_blocks -= 1
+        else:
+            TwoSegmentFreeBlockQueue.remove(self, block)
+        self.is_reused[block_id] = 1
+        signature = self.block_signature[block_id]
+        if signature is not None:
+            self.reuse.credit(signature, self.block_epoch[block_id])
+            self.block_signature[block_id] = None
+
+    def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
+        """``2q``'s placement, with empty blocks at the head of the first segment and,
+        when followed, a finished request's low-reuse new content at its tail; then the
+        shadows see the request."""
+        finished = request is not None and request.status != RequestStatus.PREEMPTED
+        is_reused, is_new, ghost = self.is_reused, self.is_new, self.ghost
+        # ``lower`` keeps the release order (deepest first) of everything bound for
+        # probation; ``new`` is the part of it this request cached new.
+        unhashed, lower, protected, new = [], [], [], []
+        for block in blocks:
+            block_hash = block.block_hash
+            block_id = block.block_id
+            if block_hash is None:
+                unhashed.append(block)
+                continue
+            was_new = finished and is_new[block_id]
+            if was_new:
+                is_new[block_id] = 0
+            if is_reused[block_id]:
+                protected.append(block)
+            elif block_hash in ghost:
+                unproven = ghost.pop(block_hash)
+                if unproven is not None:
+                    self.reuse.credit(*unproven)  # wanted again after its eviction
+                is_reused[block_id] = 1
+                protected.append(block)
+            else:
+                lower.append(block)
+                if was_new:
+                    new.append(block)
+        low_reuse = False
+        if new:
+            signature = output_length_signature(request)
+            epoch = self.reuse.insert(signature, len(new))
+            block_signature, block_epoch = self.block_signature, self.block_epoch
+            for block in new:
+                block_signature[block.block_id] = signature
+                block_epoch[block.block_id] = epoch
+            low_reuse = self.reuse.is_low_reuse(signature)
+        if unhashed:
+            self._place_first(unhashed, at_head=True)
+        if low_reuse and self.evicts_low_reuse_first:
+            self._place_first(new, at_head=False)
+            if len(new) < len(lower):
+                is_low = self.is_new  # all zero for these blocks now: borrow as marks
+                for block in new:
+                    is_low[block.block_id] = 1
+                lower = [block for block in lower if not is_low[block.block_id]]
+                for block in new:
+                    is_low[block.block_id] = 0
+            else:
+                lower = []
+        if lower:
+            self.append_n(lower)
+        if protected:
+            self._protect(protected)
+        if request is not None:
+            self._observe(request.block_hashes,
+                          {block.block_hash for block in new} if low_reuse else None)
+
+    def _place_first(self, blocks: list[KVCacheBlock], at_head: bool) -> None:
+        in_upper = self.in_upper
+        for block in blocks:
+            in_upper[block.block_id] = _IN_FIRST
+        if at_head:
+            self.first.prepend_n(blocks)
+        else:
+            self.first.append_n(blocks)
+        self.num_free_blocks += len(blocks)
+
+    def _observe(self, block_hashes: list[BlockHash],
+                 low_reuse_hashes: set[BlockHash] | None) -> None:
         threshold = self.sample_threshold
         sampled = [h for h in block_hashes if h[-1] < threshold] if threshold < 256 \
             else block_hashes
@@ -147,7 +343,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             return
         shadows = self.shadows
         for shadow in shadows:
-            shadow.access(sampled)
+            if low_reuse_hashes:
+                shadow.access(sampled, low_reuse_hashes)
+            else:
+                shadow.access(sampled)
         self.num_sampled_since_decay += len(sampled)
         if self.num_sampled_since_decay >= self.decay_every:
             self.num_sampled_since_decay = 0
@@ -157,25 +356,38 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         best = scores.index(max(scores))
         if best != self.leader and scores[best] > scores[self.leader] * (1 + self.switch_margin):
             self.leader = best
-            self._set_protected_fraction(CANDIDATE_PROTECTED_FRACTIONS[best])
+            self._follow(self.candidates[best])
 
     def forget_cached_content(self) -> None:
+        first = self.first
+        if first.num_free_blocks:
+            emptied = first.popleft_n(first.num_free_blocks)
+            self.num_free_blocks -= len(emptied)
+            for block in emptied:
+                self.in_upper[block.block_id] = _IN_LOWER
+            self.prepend_n(emptied)
         super().forget_cached_content()
+        self.block_signature = [None] * self.num_block_ids
         for shadow in self.shadows:
             shadow.forget()
 
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The first segment head to tail, then probation's, then protected's."""
+        return self.first.get_all_free_blocks() + super().get_all_free_blocks()
+
     def policy_state(self) -> dict:
-        """The protected share followed, and each candidate's share of the shadows' decayed
+        """The candidate followed, and each candidate's share of the shadows' decayed
         hits (shares, not counts: the counts scale with the sample, which depends on the
         pool's size, while the choice depends only on how they compare)."""
         scores = self.candidate_scores()
         total = sum(scores.values())
         return {"protected_fraction": self.current_protected_fraction,
-                "candidate_hit_shares": {str(fraction): round(hits / total, 4) if total else 0.0
-                                         for fraction, hits in scores.items()}}
+                "low_reuse_first": self.evicts_low_reuse_first,
+                "candidate_hit_shares": {
+                    candidate.label: round(hits / total, 4) if total else 0.0
+                    for candidate, hits in scores.items()}}
 
-    def candidate_scores(self) -> dict[float, float]:
-        """Each candidate protected fraction's decayed shadow hit count."""
-        return {fraction: shadow.num_hits
-                for fraction, shadow in zip(CANDIDATE_PROTECTED_FRACTIONS, self.shadows,
-                                            strict=True)}
+    def candidate_scores(self) -> dict[Candidate, float]:
+        """Each candidate's decayed shadow hit count."""
+        return {candidate: shadow.num_hits
+                for candidate, shadow in zip(self.candidates, self.shadows, strict=True)}

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.eviction.segmented import TwoSegmentFreeBlockQueue
+from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
 
@@ -81,45 +82,48 @@ class LearnedReuseFreeBlockQueue(TwoSegmentFreeBlockQueue):
         # Hash -> (signature, epoch) of content evicted before anyone reused it.
         self.ghost: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
         self.max_ghost = self.ghost_factor * len(blocks)
-        self.memory = self.memory_factor * max(len(blocks), 1)
-        self.num_inserted: dict[int, float] = {}
-        self.num_reused: dict[int, float] = {}
-        self.total_inserted = 0.0
-        self.total_reused = 0.0
-        self.num_halvings = 0
+        self.estimate = SignatureReuseEstimate(self.memory_factor * max(len(blocks), 1),
+                                               self.prior_weight, self.low_reuse_ratio)
 
     # -- learning ---------------------------------------------------------------------
 
+    @property
+    def num_inserted(self) -> dict[int, float]:
+        return self.estimate.num_inserted
+
+    @property
+    def num_reused(self) -> dict[int, float]:
+        return self.estimate.num_reused
+
+    @property
+    def total_inserted(self) -> float:
+        return self.estimate.total_inserted
+
+    @property
+    def memory(self) -> float:
+        return self.estimate.memory_blocks
+
+    @property
+    def num_halvings(self) -> int:
+        return self.estimate.epoch
+
     def _credit(self, signature: int, epoch: int, num_blocks: int = 1) -> None:
-        weight = num_blocks * 0.5 ** (self.num_halvings - epoch)
-        self.num_reused[signature] = self.num_reused.get(signature, 0.0) + weight
-        self.total_reused += weight
+        self.estimate.credit(signature, epoch, num_blocks)
 
     def _insert(self, signature: int, num_blocks: int) -> None:
-        self.num_inserted[signature] = self.num_inserted.get(signature, 0.0) + num_blocks
-        self.total_inserted += num_blocks
-        if self.total_inserted > self.memory:
-            for counts in (self.num_inserted, self.num_reused):
-                for key in counts:
-                    counts[key] /= 2.0
-            self.total_inserted /= 2.0
-            self.total_reused /= 2.0
-            self.num_halvings += 1
+        self.estimate.insert(signature, num_blocks)
 
     def overall_reuse_rate(self) -> float:
         """``g``: the share of all inserted content looked up again (1/2 with no data)."""
-        return (self.total_reused + 1.0) / (self.total_inserted + 2.0)
+        return self.estimate.overall_reuse_rate()
 
     def estimated_reuse_rate(self, signature: int) -> float:
         """The shrunk estimate of the share of ``signature``'s new content reused."""
-        prior = self.prior_weight
-        return ((self.num_reused.get(signature, 0.0) + prior * self.overall_reuse_rate())
-                / (self.num_inserted.get(signature, 0.0) + prior))
+        return self.estimate.reuse_rate(signature)
 
     def is_low_reuse(self, signature: int) -> bool:
         """Whether ``signature``'s new content is evicted before other cached content."""
-        return (self.estimated_reuse_rate(signature)
-                < self.low_reuse_ratio * self.overall_reuse_rate())
+        return self.estimate.is_low_reuse(signature)
 
     def reuse_estimates(self) -> dict[int, dict]:
         """Per signature seen: the generated-token range it stands for, inserted and reused
