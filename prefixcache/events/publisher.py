@@ -257,6 +257,8 @@ class ZmqEventPublisher(EventPublisher):
         )
         # True until a batch other than the start's clears is queued; guarded by _cond.
         self._clears_new_subscribers = clear_on_start
+        # Whether publish() queued the engine's own events (the start's clear is not).
+        self._has_published_events = False
         if clear_on_start:
             with self._cond:
                 self._enqueue([AllBlocksCleared()], time.time())
@@ -277,6 +279,7 @@ class ZmqEventPublisher(EventPublisher):
             if self._closing:
                 raise RuntimeError("publish() on a closed ZmqEventPublisher")
             self._clears_new_subscribers = False
+            self._has_published_events = True
             self._enqueue(events, time.time() if ts is None else ts)
 
     def _enqueue(self, events: Sequence[KVCacheEvent], ts: float) -> None:
@@ -320,7 +323,7 @@ class ZmqEventPublisher(EventPublisher):
             if self._closed:
                 return
             self._closed = True
-            if self._next_seq > self._first_seq and self._clear_on_close:
+            if self._has_published_events and self._clear_on_close:
                 self._queue.append((self._next_seq, time.time(), [AllBlocksCleared()]))
                 self._next_seq += 1
             self._closing = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import zmq
 
 from prefixcache.events.publisher import END_OF_REPLAY_SEQ, seq_from_bytes
-from prefixcache.events.wire import KVEventBatch, decode_batch
+from prefixcache.events.wire import AllBlocksCleared, KVEventBatch, decode_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ class EventSubscriber:
                 replayed = []
             batches = [r for r in replayed if previous_seq < r.seq < received.seq]
         batches.append(received)
-        self.num_missed_batches += received.seq - previous_seq - len(batches)
+        self.num_missed_batches += _num_missed_that_matter(previous_seq, batches)
         self.last_seq = received.seq
         return batches
 
@@ -191,3 +191,17 @@ class EventSubscriber:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _num_missed_that_matter(previous_seq: int, batches: list[ReceivedBatch]) -> int:
+    """Sequence numbers after ``previous_seq`` up to the last of ``batches`` (ascending)
+    that none of them holds, not counting those before a batch that clears every block:
+    what such a batch follows no longer matters. A restarted publisher opens with one,
+    numbered past its predecessor's batches, so a restart is not a loss."""
+    start = previous_seq + 1
+    num_held = len(batches)
+    for index in range(len(batches) - 1, -1, -1):
+        if any(isinstance(event, AllBlocksCleared) for event in batches[index].batch.events):
+            start, num_held = batches[index].seq, len(batches) - index
+            break
+    return batches[-1].seq - start + 1 - num_held

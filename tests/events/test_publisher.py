@@ -452,6 +452,36 @@ def test_a_publisher_that_published_nothing_closes_silently():
     assert pub.num_published_batches == 0
 
 
+def test_a_publisher_that_published_nothing_sends_only_its_opening_clear():
+    pub = ZmqEventPublisher(TCP_ANY_PORT)
+    pub.close()
+    assert pub.num_published_batches == 1  # the start's clear, no closing one
+
+
+def test_a_gap_before_a_clear_of_every_block_is_not_counted_as_missed():
+    """What a subscriber missed before an AllBlocksCleared no longer matters (a restarted
+    publisher opens with one, numbered past its predecessor's batches)."""
+    pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, **VLLM_NUMBERING)
+    try:
+        with EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
+            next_seq = _wait_until_subscribed(pub, sub)
+            while sub.recv_live(0.05) is not None:
+                pass
+            sub.last_seq = next_seq - 1
+            with pub._cond:  # skip two numbers, as a restart past the old ones would
+                pub._next_seq += 2
+            pub.publish([core.AllBlocksCleared()], ts=1.0)
+            pub.publish(_step_records(0), ts=2.0)
+            got = []
+            deadline = time.monotonic() + DEADLINE_S
+            while len(got) < 2 and time.monotonic() < deadline:
+                got += sub.receive(0.1)
+            assert [r.seq for r in got] == [next_seq + 2, next_seq + 3]
+            assert sub.num_missed_batches == 0
+    finally:
+        pub.close()
+
+
 def _event_names(received) -> list[str]:
     return [type(e).__name__ for e in received.batch.events]
 
