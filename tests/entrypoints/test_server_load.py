@@ -4,12 +4,9 @@ Zero errors; every output the same tokens as the same prompt sent alone (greedy)
 engine really batched them (far fewer engine steps than tokens); and afterwards no block is
 held (usage 0, and a reset of the prefix cache, which needs every block free, succeeds).
 
-"The same tokens" allows one thing: a batched matmul or a cache-hit prefill adds float
-noise of ~1e-6, so where the model's two best logits are closer than that, greedy may go
-either way. An output that differs from its solo run must differ first at such a near-tie,
-checked against transformers on the solo run's context; from there on the two continue
-from different contexts and are not compared. A scheduling or caching bug (wrong KV, wrong
-positions) moves logits by whole units and fails the check.
+"The same tokens" allows one thing (see tests/near_ties.py): an output that differs from
+its solo run must differ first at a near-tie of the model's two best logits, checked
+against transformers on the solo run's context, where batching's float noise may decide.
 """
 
 from __future__ import annotations
@@ -19,17 +16,14 @@ import uuid
 
 import openai
 import pytest
-import torch
 
 from tests.entrypoints.conftest import MODEL_NAME, scrape, wait_for_idle
+from tests.near_ties import assert_same_or_split_at_a_near_tie, load_reference_model
 
 NUM_CLIENTS = 32
 NUM_REQUESTS = 64
 MAX_TOKENS = 12
 LOAD_TIMEOUT_S = 120
-# Two logits this close are a coin toss for float noise (the logits spread over tens of
-# units, so a real error is orders of magnitude larger).
-NEAR_TIE_LOGIT_GAP = 1e-3
 
 
 def make_prompts() -> list[str]:
@@ -84,24 +78,7 @@ async def run_concurrently(url: str, prompts: list[str]) -> tuple[dict, list]:
 
 @pytest.fixture(scope="module")
 def reference_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def assert_same_or_split_at_a_near_tie(reference_model, prompt_token_ids: list[int],
-                                       solo: list[int], batched: list[int]) -> None:
-    assert len(batched) == len(solo)
-    split = next((i for i, (a, b) in enumerate(zip(solo, batched, strict=True)) if a != b),
-                 None)
-    if split is None:
-        return
-    with torch.no_grad():
-        logits = reference_model(torch.tensor([prompt_token_ids + solo[:split]])).logits[0, -1]
-    top_two = logits.topk(2)
-    assert {solo[split], batched[split]} == set(top_two.indices.tolist()), (split, solo, batched)
-    gap = float(top_two.values[0] - top_two.values[1])
-    assert gap < NEAR_TIE_LOGIT_GAP, (split, gap, solo, batched)
+    return load_reference_model(tiny_model_dir)
 
 
 def test_concurrent_streams_match_sequential_and_free_every_block(server, http,
