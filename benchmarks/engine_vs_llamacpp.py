@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from prefixcache.config import OPTIMIZATION_LEVELS
+
 FIRST_ORDINARY_TOKEN = 20  # SmolLM2's special tokens are below this
 LLAMACPP_MISSING = (
     "llama-cpp-python is not installed; see this script's docstring for the build command"
@@ -64,7 +66,8 @@ def workload(vocab_size: int) -> dict:
 # -- prefixcache --------------------------------------------------------------------------
 
 
-def run_prefixcache(args) -> dict:
+def run_prefixcache(args) -> tuple[dict, float]:
+    """(seconds per row, seconds of the warm-up)."""
     import torch
 
     from prefixcache.engine.llm_engine import LLMEngine
@@ -105,13 +108,14 @@ def run_prefixcache(args) -> dict:
     _, batch = generate(work["shared"], 64)
     return {"cold_prefill_ttft": cold, "cached_prefix_ttft": cached,
             "decode_long_context": long_decode, "decode_short_context": short_decode,
-            "shared_prefix_batch": batch, "warmup": warmup}
+            "shared_prefix_batch": batch}, warmup
 
 
 # -- llama.cpp ----------------------------------------------------------------------------
 
 
-def run_llamacpp(args) -> dict:
+def run_llamacpp(args) -> tuple[dict, float]:
+    """(seconds per row, seconds of the warm-up)."""
     from llama_cpp import Llama
 
     from prefixcache.model.default_model import default_model_path
@@ -134,7 +138,9 @@ def run_llamacpp(args) -> dict:
                 break
         return first, time.perf_counter() - start
 
+    start = time.perf_counter()
     generate(work["short"], 4, keep_cache=False)  # warm-up
+    warmup = time.perf_counter() - start
     cold, _ = generate(work["document"], 1, keep_cache=False)
     cached, _ = generate(work["question"], 1, keep_cache=True)
     first, total = generate(work["document"], 129, keep_cache=False)
@@ -148,20 +154,21 @@ def run_llamacpp(args) -> dict:
     batch = time.perf_counter() - start
     return {"cold_prefill_ttft": cold, "cached_prefix_ttft": cached,
             "decode_long_context": long_decode, "decode_short_context": short_decode,
-            "shared_prefix_batch": batch}
+            "shared_prefix_batch": batch}, warmup
 
 
 # -- driver -------------------------------------------------------------------------------
 
 
-def run_worker(engine: str, args) -> dict:
+def run_worker(engine: str, args) -> tuple[dict, float]:
     command = [sys.executable, __file__, "--worker", engine, "--threads", str(args.threads),
                "--dtype", args.dtype, "--quantization", args.quantization,
                "--optimization-level", str(args.optimization_level)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    rows, warmup = json.loads(result.stdout.strip().splitlines()[-1])
+    return rows, warmup
 
 
 def main() -> None:
@@ -172,7 +179,8 @@ def main() -> None:
                         help="prefixcache's dense weights and KV cache (default: bfloat16)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8",
                                                                    "int4"))
-    parser.add_argument("--optimization-level", type=int, default=0, choices=(0, 1, 2, 3),
+    parser.add_argument("--optimization-level", type=int, default=0,
+                        choices=OPTIMIZATION_LEVELS,
                         help="prefixcache's -O: 1 compiles decode steps (default: 0)")
     parser.add_argument("--worker", choices=("prefixcache", "llamacpp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,9 +199,9 @@ def main() -> None:
         for engine in order:
             runs[engine].append(run_worker(engine, args))
     rows = {}
-    for row in runs["llamacpp"][0]:
-        ours = min(run[row] for run in runs["prefixcache"])
-        theirs = min(run[row] for run in runs["llamacpp"])
+    for row in runs["prefixcache"][0][0]:
+        ours = min(times[row] for times, _ in runs["prefixcache"])
+        theirs = min(times[row] for times, _ in runs["llamacpp"])
         entry = {"prefixcache_s": round(ours, 4), "llamacpp_s": round(theirs, 4),
                  "ratio": round(ours / theirs, 3)}
         if row.startswith("decode"):
@@ -206,7 +214,7 @@ def main() -> None:
         "prefixcache": {"dtype": args.dtype, "quantization": args.quantization,
                         "optimization_level": args.optimization_level},
         # Per run: the first compiles from scratch, later ones reuse Inductor's disk cache.
-        "prefixcache_warmup_s": [round(run["warmup"], 2) for run in runs["prefixcache"]],
+        "prefixcache_warmup_s": [round(warmup, 2) for _, warmup in runs["prefixcache"]],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg()[0],
         "rows": rows,

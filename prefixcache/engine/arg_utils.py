@@ -140,7 +140,9 @@ class EngineArgs(DeclaredOptions):
     optimization_level: int = option(
         DEFAULT_OPTIMIZATION_LEVEL, "--optimization-level", "-O",
         accepts=lambda level: type(level) is int and level in OPTIMIZATION_LEVELS,
-        wanted="0, 1, 2 or 3", parse=int_in_range(0, 3), metavar="LEVEL",
+        wanted=f"one of {', '.join(map(str, OPTIMIZATION_LEVELS))}",
+        parse=int_in_range(min(OPTIMIZATION_LEVELS), max(OPTIMIZATION_LEVELS)),
+        metavar="LEVEL",
         help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
              "also run decode steps through torch.compile, faster per token; the first "
              "decode steps compile, from seconds to minutes by model size (cached on disk "

@@ -13,10 +13,10 @@ whether rows are padded), which the compiled code takes as dynamic, so a few gra
 every such step. Prefill chunks, cascade attention and LoRA run eagerly: a request never
 waits for a compile of a rare step shape.
 
-The first step of each kind compiles, which takes from seconds (a tiny model) to minutes (a
-30-layer model on 2 cores); Inductor keeps compiled code in its on-disk cache, so later
-starts reuse it. If compiling fails (no C++ compiler, an unsupported op), the error is
-logged once and every step runs eagerly from then on: the engine keeps serving.
+The first step of each kind waits for its compile, which grows with the model's size;
+Inductor keeps compiled code in its on-disk cache, so later starts reuse it. If compiling
+fails (no C++ compiler, an unsupported op), the error is logged once and every step runs
+eagerly from then on: the engine keeps serving.
 """
 
 from __future__ import annotations
