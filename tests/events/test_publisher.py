@@ -315,18 +315,25 @@ def test_full_queue_drops_the_oldest_and_counts():
         small.close()
 
 
+def _skip_two_numbers(pub: ZmqEventPublisher, sub: EventSubscriber) -> int:
+    """Make the publisher's next two sequence numbers go unsent, as if dropped, with the
+    subscriber up to date before them; returns the first skipped number."""
+    next_seq = _wait_until_subscribed(pub, sub)
+    # Drain stray probes so the next receive sees the first real batch.
+    while sub.recv_live(0.05) is not None:
+        pass
+    sub.last_seq = next_seq - 1
+    with pub._cond:
+        pub._next_seq += 2
+    return next_seq
+
+
 def test_subscriber_counts_batches_lost_to_drops():
     # A dropped batch keeps its sequence number, so a subscriber can tell it never saw it.
     pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, **VLLM_NUMBERING)
     try:
         with EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
-            next_seq = _wait_until_subscribed(pub, sub)
-            # Drain stray probes so the next receive sees the first real batch.
-            while sub.recv_live(0.05) is not None:
-                pass
-            sub.last_seq = next_seq - 1
-            with pub._cond:  # skip seq next_seq and next_seq+1, as if dropped
-                pub._next_seq += 2
+            next_seq = _skip_two_numbers(pub, sub)
             pub.publish(_step_records(0), ts=1.0)
             got = []
             deadline = time.monotonic() + DEADLINE_S
@@ -464,12 +471,7 @@ def test_a_gap_before_a_clear_of_every_block_is_not_counted_as_missed():
     pub = ZmqEventPublisher(TCP_ANY_PORT, replay_endpoint=TCP_ANY_PORT, **VLLM_NUMBERING)
     try:
         with EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
-            next_seq = _wait_until_subscribed(pub, sub)
-            while sub.recv_live(0.05) is not None:
-                pass
-            sub.last_seq = next_seq - 1
-            with pub._cond:  # skip two numbers, as a restart past the old ones would
-                pub._next_seq += 2
+            next_seq = _skip_two_numbers(pub, sub)  # as a restart past the old ones would
             pub.publish([core.AllBlocksCleared()], ts=1.0)
             pub.publish(_step_records(0), ts=2.0)
             got = []
