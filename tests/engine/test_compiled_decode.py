@@ -9,12 +9,18 @@ raises its own error.
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from prefixcache.engine.arg_utils import EngineArgs
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.model.loader import load_model
 from prefixcache.worker.compiled_decode import CompiledDecode
 from tests.engine.helpers import assert_all_blocks_free, run_batch
 from tests.engine.test_greedy_equivalence import make_prompts
@@ -57,6 +63,47 @@ def test_compiled_decode_equals_eager(make_engine, tiny_model, tiny_model_dir):
     assert engine.runner.compiled_decode._compiled is not None, "compiling failed"
     assert all(not m.chunks and not m.decode_shared_prefixes for m in compiled_steps)
     assert_all_blocks_free(engine)
+
+
+def build_model_differing_in_a_constant(model_dir: Path, like_dir: Path) -> Path:
+    """A random Llama shaped exactly as the tiny model (same parameter shapes, same
+    tokenizer) whose norms' epsilon is 0.5 instead of 1e-6: a plain number the compiled
+    graph bakes in, not a tensor it reads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((like_dir / "config.json").read_text())
+    config.update(rms_norm_eps=0.5)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # logits over tens of units, as the tiny model's
+    model.save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(like_dir / name, model_dir / name)
+    return model_dir
+
+
+def test_a_second_model_in_the_process_gets_its_own_graph(make_engine, tiny_model,
+                                                         tiny_model_dir, tmp_path):
+    """Module attributes (such as a norm's epsilon) are not guarded, since they never
+    change: a second model in the process, differing from the first only in a constant
+    its graph bakes in, must still compute its own function."""
+    first = make_engine(optimization_level=1, **ENGINE_OPTIONS)
+    prompts = make_prompts(tiny_model.arch_config.vocab_size)[:3]
+    run_batch(first, prompts, GREEDY)
+    other_dir = build_model_differing_in_a_constant(tmp_path / "other", tiny_model_dir)
+    other = load_model(other_dir)
+    eager = run_batch(LLMEngine.from_options(other, num_kv_blocks=256, **ENGINE_OPTIONS),
+                      prompts, GREEDY)
+    engine = LLMEngine.from_options(other, optimization_level=1, num_kv_blocks=256,
+                                    **ENGINE_OPTIONS)
+    compiled = run_batch(engine, prompts, GREEDY)
+
+    assert engine.runner.compiled_decode._compiled is not None, "compiling failed"
+    reference_model = load_reference_model(other_dir)
+    for prompt, eager_output, compiled_output in zip(prompts, eager, compiled, strict=True):
+        assert_same_or_split_at_a_near_tie(reference_model, prompt, eager_output.token_ids,
+                                           compiled_output.token_ids)
 
 
 def test_a_failing_compiler_leaves_the_engine_eager(make_engine, tiny_model, caplog):
