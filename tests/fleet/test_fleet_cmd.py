@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixcache.entrypoints.fleet import free_port
+from prefixcache.ports import free_loopback_port
 from tests.entrypoints.conftest import MODEL_NAME, REPO_ROOT
 
 STARTUP_TIMEOUT_S = 180
@@ -58,7 +58,7 @@ class FleetProcess:
 
     def __init__(self, model_dir: Path, *fleet_args: str) -> None:
         command = [sys.executable, "-m", "prefixcache", "fleet", "--replicas", "2",
-                   "--port", str(free_port()), "--health-check-interval", "1", *fleet_args,
+                   "--port", str(free_loopback_port()), "--health-check-interval", "1", *fleet_args,
                    "--", str(model_dir), "--served-model-name", MODEL_NAME,
                    "--block-size", "16", "--num-kv-blocks", "128"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

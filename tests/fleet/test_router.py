@@ -18,12 +18,12 @@ import pytest
 
 from prefixcache.entrypoints.fleet import (
     ReplicaAddress,
-    free_port,
     router_command,
     wait_until_healthy,
 )
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import BlockStored
+from prefixcache.ports import free_loopback_port
 from tests.entrypoints.conftest import MODEL_NAME, ServerProcess
 from tests.processes import free_loopback_ports
 
@@ -70,10 +70,10 @@ class Replica:
 
 class Router:
     def __init__(self, replicas: list[Replica]) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_loopback_port()}"
         command = router_command([r.address for r in replicas], policy="kv_aware",
                                  host="127.0.0.1", port_number=int(self.url.rsplit(":", 1)[1]),
-                                 prometheus_port=free_port(), block_size=BLOCK_SIZE,
+                                 prometheus_port=free_loopback_port(), block_size=BLOCK_SIZE,
                                  served_model_name=MODEL_NAME, health_check_interval_s=1)
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
