@@ -116,7 +116,8 @@ class EngineArgs(DeclaredOptions):
     :mod:`prefixcache.core.hashing`). ``enable_kv_events`` records KV cache events for
     ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
     ``optimization_level`` above 0 compiles decode steps (see
-    :mod:`prefixcache.worker.compiled_decode`). ``enable_lora`` lets requests run with
+    :mod:`prefixcache.worker.compiled_decode`) and attends decodes with the C++ paged
+    attention kernel (see :mod:`prefixcache.kernels.paged_attention`). ``enable_lora`` lets requests run with
     LoRA adapters: at most ``max_loras`` distinct ones per step, each of rank at most
     ``max_lora_rank``, up to ``max_cpu_loras`` unused ones kept loaded (see
     :mod:`prefixcache.lora`).
@@ -144,9 +145,11 @@ class EngineArgs(DeclaredOptions):
         parse=int_in_range(min(OPTIMIZATION_LEVELS), max(OPTIMIZATION_LEVELS)),
         metavar="LEVEL",
         help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
-             "also run decode steps through torch.compile, faster per token; the first "
-             "decode steps compile, from seconds to minutes by model size (cached on disk "
-             "for later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
+             "also run decode steps through torch.compile and attend decodes with a C++ "
+             "paged attention kernel that reads keys in place, faster per token; the "
+             "first start builds the kernel (about 30 s) and the first decode steps "
+             "compile, from seconds to minutes by model size (both cached on disk for "
+             "later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
              "compiler; without one, decode stays eager with a warning")
     block_size: int = option(
         DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,

@@ -99,6 +99,7 @@ class LLMEngine:
             loaded_model.model, self.arch_config, self.num_kv_blocks, self.block_size, dtype,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
             compile_decode=engine_args.optimization_level > 0,
+            paged_attention_kernel=engine_args.optimization_level > 0,
         )
         self.lora_registry: LoRARegistry | None = None
         if engine_args.enable_lora:

@@ -15,7 +15,9 @@ use cascade attention: the shared keys are read once per group and attended by a
 queries in one matmul, each decode attends to its own remaining keys, and the partial results
 are merged by their log-sum-exp. Groups nest (every decode shares a system prompt, subsets of
 them a document after it), each level a further run of keys. The metadata says which decodes
-share what; without shared prefixes the decodes take one padded batch over all of their keys.
+share what; without shared prefixes the decodes take one padded batch over all of their keys,
+or, when the runner uses it, the paged attention kernel, which reads the keys in place
+through the block tables instead of gathering them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.kernels.paged_attention import paged_attention
 from prefixcache.model.attention_metadata import AttentionMetadata, KVCache
 
 
@@ -109,7 +112,14 @@ class PagedAttention(nn.Module):
             # the query rows.
             decode_query = query if all_decodes else query.index_select(0, indices)
             decode_query = decode_query.view(-1, kv_heads, group, head_dim)
-            if metadata.decode_shared_prefixes:
+            if metadata.decode_paged is not None:
+                batch = metadata.decode_paged
+                attended = paged_attention(
+                    decode_query.float().contiguous(), kv_cache.key_cache,
+                    kv_cache.value_cache, batch.block_tables, batch.query_start,
+                    batch.seq_lens, head_dim**-0.5,
+                )  # [D, kv_heads, group, d] float32
+            elif metadata.decode_shared_prefixes:
                 attended = self._cascade_decode(
                     decode_query, key_slots_view, value_slots_view, metadata
                 )

@@ -63,6 +63,23 @@ class SharedPrefixGroup:
 
 
 @dataclass(slots=True)
+class PagedKernelBatch:
+    """Sequences for the paged attention kernel (`prefixcache.kernels.paged_attention`),
+    which reads keys through block tables instead of gathered slots.
+
+    - `block_tables` [num_sequences, max_blocks] int64: each sequence's blocks in position
+      order, padded with block 0 past its last.
+    - `query_start` [num_sequences + 1] int64: sequence s owns query rows
+      `query_start[s]:query_start[s + 1]`.
+    - `seq_lens` [num_sequences] int64: each sequence's keys, this step's included.
+    """
+
+    block_tables: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step inputs of paged attention, built by the model runner.
 
@@ -79,6 +96,9 @@ class AttentionMetadata:
       padded with slot 0.
     - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys;
       None when there are no shared prefixes and no padding (every row all real keys).
+    - `decode_paged`: the decodes as one `PagedKernelBatch` (one query row each), set
+      instead of `decode_key_slots` and `decode_key_mask` when the runner uses the paged
+      attention kernel and there are no shared prefixes.
     """
 
     positions: torch.Tensor
@@ -88,6 +108,7 @@ class AttentionMetadata:
     decode_key_slots: torch.Tensor | None = None
     decode_key_mask: torch.Tensor | None = None
     decode_shared_prefixes: tuple[SharedPrefixGroup, ...] = ()
+    decode_paged: PagedKernelBatch | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.kernels.paged_attention import KERNEL_HEAD_DIMS, load_paged_attention
 from prefixcache.lora.slots import LoRASlots, LoRAStepBatch
 from prefixcache.model.attention_metadata import (
     AttentionMetadata,
     ChunkAttention,
     KVCache,
+    PagedKernelBatch,
     SharedPrefixGroup,
 )
 from prefixcache.model.config import ModelArchConfig
@@ -62,6 +64,9 @@ class ModelRunner:
 
     With `compile_decode`, steps of decodes alone run through `torch.compile` (see
     `compiled_decode`); every other step, and every step if compiling fails, runs eagerly.
+    With `paged_attention_kernel`, decodes outside cascade groups attend through the C++
+    paged attention kernel (`prefixcache.kernels.paged_attention`) when it builds and the
+    model's head size is one it supports; otherwise through gathered key slots.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class ModelRunner:
         min_shared_prefix_tokens: int = DEFAULT_MIN_SHARED_PREFIX_TOKENS,
         max_loras: int | None = None,
         compile_decode: bool = False,
+        paged_attention_kernel: bool = False,
     ) -> None:
         if num_kv_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -98,6 +104,10 @@ class ModelRunner:
         # [block_size]: offsets within a block, reused to expand block tables into slots.
         self._block_offsets = torch.arange(block_size, dtype=torch.int64)
         self.compiled_decode = CompiledDecode(model) if compile_decode else None
+        self.uses_paged_attention_kernel = (
+            paged_attention_kernel and arch_config.head_dim in KERNEL_HEAD_DIMS
+            and load_paged_attention()
+        )
 
     @torch.inference_mode()
     def execute(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
@@ -262,6 +272,14 @@ class ModelRunner:
         # Pad with block 0: its slots are valid indices, and the mask hides them.
         padded = [table + [0] * (max_blocks - len(table)) for table in suffix_tables]
         tables = torch.tensor(padded, dtype=torch.int64)  # [D, max_blocks]
+        metadata.decode_token_indices = torch.tensor(decode_rows, dtype=torch.int64)
+        if self.uses_paged_attention_kernel and not shared_prefixes:
+            metadata.decode_paged = PagedKernelBatch(
+                block_tables=tables,
+                query_start=torch.arange(len(decode_rows) + 1, dtype=torch.int64),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            )
+            return
         # [D, max_blocks, block_size] -> [D, max_blocks * block_size] -> [D, max_len]
         key_slots = (
             (tables[:, :, None] * block_size + self._block_offsets)
@@ -271,7 +289,6 @@ class ModelRunner:
         lens = torch.tensor(suffix_lens, dtype=torch.int64)
         key_mask = torch.arange(max_len)[None, :] < lens[:, None]  # [D, max_len]
         # Unpadded (every suffix max_len long) the plain path needs no mask at all.
-        metadata.decode_token_indices = torch.tensor(decode_rows, dtype=torch.int64)
         metadata.decode_key_slots = key_slots
         if shared_prefixes or min(suffix_lens) < max_len:
             metadata.decode_key_mask = key_mask[:, None, None, :]  # [D, 1, 1, max_len]

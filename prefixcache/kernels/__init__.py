@@ -1,0 +1,1 @@
+"""Native kernels, built on first use with the machine's C++ compiler (optional)."""
