@@ -123,6 +123,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
     alignas(64) float key_tile[kLanes * kHeadDim];
     alignas(64) float key_tile_t[kHeadDim * kLanes];
     std::vector<float> scaled_query, scores, run_values, maxima, sums, accumulated;
+    std::vector<int64_t> row_offsets;
     // A task takes every head of its run of keys: a block's keys of all heads are one
     // contiguous stretch of memory, read whole by one thread.
     for (int64_t index = begin; index < end; ++index) {
@@ -134,10 +135,17 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       const int64_t run = task.key_end - task.key_start;
       const int64_t num_vectors = num_query_rows * group;
       const int64_t* table = tables + task.sequence * max_blocks;
-      auto row_offset = [&](int64_t t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        return (slot * num_kv_heads + head) * kHeadDim;
-      };
+      // Where each key of the run lies in the cache, walked block by block (a division
+      // per key would cost more than the key's arithmetic).
+      row_offsets.resize(run);
+      for (int64_t t = task.key_start; t < task.key_end;) {
+        const int64_t block = table[t / block_size];
+        const int64_t offset = t % block_size;
+        const int64_t block_end = std::min(task.key_end, t + block_size - offset);
+        for (int64_t slot = block * block_size + offset; t < block_end; ++t, ++slot) {
+          row_offsets[t - task.key_start] = (slot * num_kv_heads + head) * kHeadDim;
+        }
+      }
       // Query row i of the sequence sits at position seq_len - num_query_rows + i and
       // sees the keys before and at it: the first `count(i)` keys of this run.
       auto count = [&](int64_t i) {
@@ -158,7 +166,8 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       for (int64_t tile_start = task.key_start; tile_start < task.key_end; tile_start += kLanes) {
         const int64_t tile_keys = std::min<int64_t>(kLanes, task.key_end - tile_start);
         for (int64_t k = 0; k < tile_keys; ++k) {
-          row_to_float<scalar_t, kHeadDim>(keys + row_offset(tile_start + k), key_tile + k * kHeadDim);
+          row_to_float<scalar_t, kHeadDim>(keys + row_offsets[tile_start + k - task.key_start],
+                                           key_tile + k * kHeadDim);
         }
         at::vec::transpose_mxn<float>(key_tile, kHeadDim, key_tile_t, kLanes,
                                       static_cast<int>(tile_keys), static_cast<int>(kHeadDim));
@@ -205,44 +214,48 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
       run_values.resize(run * kHeadDim);
       for (int64_t t = 0; t < run; ++t) {
-        row_to_float<scalar_t, kHeadDim>(values + row_offset(task.key_start + t),
+        row_to_float<scalar_t, kHeadDim>(values + row_offsets[t],
                                          run_values.data() + t * kHeadDim);
       }
       accumulated.assign(num_vectors * kHeadDim, 0.0f);
-      // Two query vectors at a time share each row of values.
-      for (int64_t v0 = 0; v0 < num_vectors; v0 += 2) {
-        const int64_t num_here = std::min<int64_t>(2, num_vectors - v0);
-        const int64_t visible[2] = {count(v0 / group), count((v0 + num_here - 1) / group)};
-        const float* weights[2] = {scores.data() + v0 * run,
-                                   scores.data() + (v0 + num_here - 1) * run};
-        Vec sum[2][kChunks];
-        for (int64_t u = 0; u < 2; ++u) {
-          for (int64_t c = 0; c < kChunks; ++c) sum[u][c] = Vec(0.0f);
-        }
-        const int64_t both = std::max<int64_t>(0, std::min(visible[0], visible[1]));
-        int64_t t = 0;
-        for (; t < both; ++t) {
-          const Vec first(weights[0][t]), second(weights[1][t]);
-          const float* row = run_values.data() + t * kHeadDim;
-          for (int64_t c = 0; c < kChunks; ++c) {
-            const Vec value = Vec::loadu(row + c * kLanes);
-            sum[0][c] = at::vec::fmadd(first, value, sum[0][c]);
-            sum[1][c] = at::vec::fmadd(second, value, sum[1][c]);
+      // Per query row (its vectors see the same keys), up to kScoreVectors of its group's
+      // vectors at a time share each row of values. A short last pass repeats a vector
+      // rather than branching in the loop, and stores only the real ones.
+      for (int64_t i = 0; i < num_query_rows; ++i) {
+        const int64_t visible = count(i);
+        for (int64_t g0 = 0; g0 < group; g0 += kScoreVectors) {
+          const int64_t num_here = std::min<int64_t>(kScoreVectors, group - g0);
+          const float* weights[kScoreVectors];
+          for (int64_t u = 0; u < kScoreVectors; ++u) {
+            weights[u] = scores.data() + (i * group + g0 + std::min(u, num_here - 1)) * run;
           }
-        }
-        // Rows of a chunk see different numbers of keys: finish the longer one alone.
-        for (int64_t u = 0; u < 2; ++u) {
-          for (int64_t k = t; k < visible[u]; ++k) {
-            const Vec weight(weights[u][k]);
-            const float* row = run_values.data() + k * kHeadDim;
-            for (int64_t c = 0; c < kChunks; ++c) {
-              sum[u][c] = at::vec::fmadd(weight, Vec::loadu(row + c * kLanes), sum[u][c]);
+          // One vector-width of the output at a time, so the accumulators (one per query
+          // vector and parity of key) stay in registers.
+          for (int64_t c = 0; c < kChunks; ++c) {
+            Vec even[kScoreVectors], odd[kScoreVectors];
+#pragma GCC unroll 8
+            for (int64_t u = 0; u < kScoreVectors; ++u) even[u] = odd[u] = Vec(0.0f);
+            const float* column = run_values.data() + c * kLanes;
+            int64_t t = 0;
+            for (; t + 1 < visible; t += 2) {
+              const Vec value = Vec::loadu(column + t * kHeadDim);
+              const Vec next = Vec::loadu(column + (t + 1) * kHeadDim);
+#pragma GCC unroll 8
+              for (int64_t u = 0; u < kScoreVectors; ++u) {
+                even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
+                odd[u] = at::vec::fmadd(Vec(weights[u][t + 1]), next, odd[u]);
+              }
             }
-          }
-        }
-        for (int64_t u = 0; u < num_here; ++u) {
-          for (int64_t c = 0; c < kChunks; ++c) {
-            sum[u][c].store(accumulated.data() + (v0 + u) * kHeadDim + c * kLanes);
+            if (t < visible) {
+              const Vec value = Vec::loadu(column + t * kHeadDim);
+              for (int64_t u = 0; u < kScoreVectors; ++u) {
+                even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
+              }
+            }
+            for (int64_t u = 0; u < num_here; ++u) {
+              (even[u] + odd[u]).store(
+                  accumulated.data() + (i * group + g0 + u) * kHeadDim + c * kLanes);
+            }
           }
         }
       }

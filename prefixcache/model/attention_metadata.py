@@ -87,7 +87,9 @@ class AttentionMetadata:
     - `slot_mapping` [num_tokens] int64: where each token's new K/V is written.
     - `chunks`: sequences with more than one query token, attended one at a time.
     - `decode_token_indices` [num_decodes] int64: rows of single-token sequences, which are
-      attended together as one padded batch (`None` when there are none).
+      attended together as one padded batch (`None` when there are none); with
+      `decode_paged`, also the rows of short chunks after context, which the kernel
+      attends with the decodes.
     - `decode_shared_prefixes`: groups of decodes with a common run of shared keys (cascade
       attention), outer groups before the groups nested in them; empty when none is worth
       it. A decode in no group attends to all of its keys through `decode_key_slots`.
@@ -96,9 +98,10 @@ class AttentionMetadata:
       padded with slot 0.
     - `decode_key_mask` [num_decodes, 1, 1, max_suffix_len] bool: True for real keys;
       None when there are no shared prefixes and no padding (every row all real keys).
-    - `decode_paged`: the decodes as one `PagedKernelBatch` (one query row each), set
-      instead of `decode_key_slots` and `decode_key_mask` when the runner uses the paged
-      attention kernel and there are no shared prefixes.
+    - `decode_paged`: the decodes (one query row each) and short chunks after context
+      (several) as one `PagedKernelBatch`, set instead of `decode_key_slots` and
+      `decode_key_mask` when the runner uses the paged attention kernel and there are no
+      shared prefixes.
     """
 
     positions: torch.Tensor

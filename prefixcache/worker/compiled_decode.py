@@ -7,11 +7,12 @@ pass over its activations. Inductor fuses the elementwise ops into generated C++
 calls the same ATen kernels for the matmuls and attention, so a compiled step computes the
 same function with fewer passes; fusion may round differently from eager in the last bits.
 
-Only steps made of decodes alone, without cascade groups and without LoRA deltas, are
-compiled. Their inputs differ only in sizes (how many decodes, the longest run of keys,
-whether rows are padded), which the compiled code takes as dynamic, so a few graphs serve
-every such step. Prefill chunks, cascade attention and LoRA run eagerly: a request never
-waits for a compile of a rare step shape.
+Only steps made of decodes alone (with the paged attention kernel, also short chunks after
+context, which it attends with the decodes), without cascade groups and without LoRA
+deltas, are compiled. Their inputs differ only in sizes (how many rows, the longest run of
+keys, whether rows are padded), which the compiled code takes as dynamic, so a few graphs
+serve every such step. Other prefill chunks, cascade attention and LoRA run eagerly: a
+request never waits for a compile of a rare step shape.
 
 The first step of each kind waits for its compile, which grows with the model's size;
 Inductor keeps compiled code in its on-disk cache, so later starts reuse it. If compiling
@@ -60,7 +61,8 @@ class CompiledDecode:
 
     @staticmethod
     def is_compilable(metadata: AttentionMetadata, lora: LoRAStepBatch | None) -> bool:
-        """Decodes only (no prefill chunk), no cascade group, no LoRA delta."""
+        """Decode-path rows only (no chunk attended on its own), no cascade group, no LoRA
+        delta."""
         return (not metadata.chunks and not metadata.decode_shared_prefixes
                 and lora is None)
 

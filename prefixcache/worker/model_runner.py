@@ -9,6 +9,7 @@ and returns the logits of the sequences that will sample.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,11 @@ from prefixcache.worker.scheduled_sequence import ScheduledSequence
 # with the plain padded batch at roughly 64-128 shared tokens for 32 decodes, later for fewer
 # (each group adds a handful of small kernels); 256 keeps small batches on the plain path.
 DEFAULT_MIN_SHARED_PREFIX_TOKENS = 256
+
+# Chunks after context of at most this many tokens (a new question on a cached document)
+# join the decodes when the paged attention kernel attends them: the kernel reads the
+# context in place once for all of the chunk's rows, and such a step is compilable.
+MAX_KERNEL_CHUNK_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -147,6 +153,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_block_tables: list[list[int]] = []
         decode_seq_lens: list[int] = []
+        decode_query_rows: list[int] = []  # per sequence on the decode path: its rows
         logits_rows: list[int] = []
         lora = self._lora_step_batch(sequences)
 
@@ -182,6 +189,14 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_block_tables.append(block_ids)
                 decode_seq_lens.append(end)
+                decode_query_rows.append(1)
+            elif (self.uses_paged_attention_kernel and start > 0
+                  and num_new <= MAX_KERNEL_CHUNK_TOKENS):
+                slot_mapping.append(self._block_slots(block_ids)[start:end])
+                decode_rows.extend(range(row, row + num_new))
+                decode_block_tables.append(block_ids)
+                decode_seq_lens.append(end)
+                decode_query_rows.append(num_new)
             else:
                 seq_slots = self._block_slots(block_ids)[:end]  # the slot of every position
                 slot_mapping.append(seq_slots[start:])
@@ -202,7 +217,8 @@ class ModelRunner:
             chunks=chunks,
         )
         if decode_rows:
-            self._add_decode_metadata(metadata, decode_rows, decode_block_tables, decode_seq_lens)
+            self._add_decode_metadata(metadata, decode_rows, decode_block_tables,
+                                      decode_seq_lens, decode_query_rows)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             metadata=metadata,
@@ -240,13 +256,18 @@ class ModelRunner:
         decode_rows: list[int],
         block_tables: list[list[int]],
         seq_lens: list[int],
+        num_query_rows: list[int],
     ) -> None:
         """Decode rows, shared-prefix groups and each decode's remaining (suffix) key slots.
 
-        `block_tables[i]` holds exactly the blocks of decode i's `seq_lens[i]` tokens.
+        `block_tables[i]` holds exactly the blocks of sequence i's `seq_lens[i]` tokens,
+        whose last `num_query_rows[i]` are computed this step: one for a decode, more for
+        a short chunk the paged attention kernel attends (then the step has no cascade
+        groups, which hold single-row decodes only).
         """
         block_size = self.block_size
-        shared_prefixes = self._find_shared_prefixes(block_tables, seq_lens)
+        shared_prefixes = (self._find_shared_prefixes(block_tables, seq_lens)
+                           if max(num_query_rows) == 1 else [])
         num_skipped_blocks = [0] * len(block_tables)
         for rows, _, end_block in shared_prefixes:
             for row in rows:
@@ -276,7 +297,8 @@ class ModelRunner:
         if self.uses_paged_attention_kernel and not shared_prefixes:
             metadata.decode_paged = PagedKernelBatch(
                 block_tables=tables,
-                query_start=torch.arange(len(decode_rows) + 1, dtype=torch.int64),
+                query_start=torch.tensor([0, *itertools.accumulate(num_query_rows)],
+                                         dtype=torch.int64),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             )
             return

@@ -14,7 +14,7 @@ import torch
 
 from prefixcache.kernels import paged_attention as kernel_module
 from prefixcache.kernels.paged_attention import load_paged_attention
-from prefixcache.worker.model_runner import ModelRunner
+from prefixcache.worker.model_runner import MAX_KERNEL_CHUNK_TOKENS, ModelRunner
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
 from tests.model.helpers import all_position_logits, random_token_ids, tiny_model
 
@@ -97,6 +97,31 @@ def test_decodes_mixed_with_prefill_chunks(model_and_config):
         make_runner(model_and_config, False), SEQUENCES, chunks)
     assert metadata.chunks and metadata.decode_paged is not None
     torch.testing.assert_close(kernel_logits, gathered_logits, **TOL)
+
+
+def test_short_chunks_after_context_join_the_kernel_batch(model_and_config):
+    """A 3-token question on a cached 12-token document is attended by the kernel with the
+    decodes (no chunk of its own); a chunk longer than MAX_KERNEL_CHUNK_TOKENS is not."""
+    document = random_token_ids(12, seed=12)
+    question = random_token_ids(3, seed=13)
+    long_tail = random_token_ids(MAX_KERNEL_CHUNK_TOKENS + 1, seed=14)
+
+    def run(kernel):
+        runner = make_runner(model_and_config, kernel)
+        runner.execute([ScheduledSequence("doc", document, 0, [60, 61, 62], False)])
+        extra = [ScheduledSequence("question", question, 12, [60, 61, 62, 63], True),
+                 ScheduledSequence("long", long_tail, 12, [60, 61, 62, 56, 57, 58], True)]
+        return fill_and_decode(runner, SEQUENCES, extra)
+
+    kernel_logits, metadata = run(kernel=True)
+    gathered_logits, _ = run(kernel=False)
+    assert len(metadata.chunks) == 1  # the long tail
+    batch = metadata.decode_paged
+    assert batch.query_start.tolist() == [0, 3, 4, 5, 6, 7]
+    assert batch.seq_lens.tolist() == [15] + [len(ids) for ids, _ in SEQUENCES]
+    torch.testing.assert_close(kernel_logits, gathered_logits, **TOL)
+    expected = whole_sequence_logits(model_and_config, document + question)
+    torch.testing.assert_close(kernel_logits[0], expected, **TOL)
 
 
 def test_cascade_groups_keep_their_own_path(model_and_config):
