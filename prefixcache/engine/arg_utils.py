@@ -117,9 +117,9 @@ class EngineArgs(DeclaredOptions):
     ``LLMEngine.take_kv_events`` (``serve`` turns it on with ``--kv-events-endpoint``).
     ``optimization_level`` above 0 compiles decode steps (see
     :mod:`prefixcache.worker.compiled_decode`) and attends decodes with the C++ paged
-    attention kernel (see :mod:`prefixcache.kernels.paged_attention`). ``enable_lora`` lets requests run with
-    LoRA adapters: at most ``max_loras`` distinct ones per step, each of rank at most
-    ``max_lora_rank``, up to ``max_cpu_loras`` unused ones kept loaded (see
+    attention kernel (see :mod:`prefixcache.kernels.paged_attention`). ``enable_lora``
+    lets requests run with LoRA adapters: at most ``max_loras`` distinct ones per step,
+    each of rank at most ``max_lora_rank``, up to ``max_cpu_loras`` unused ones kept loaded (see
     :mod:`prefixcache.lora`).
     """
 
