@@ -147,9 +147,10 @@ class EngineArgs(DeclaredOptions):
         help="0: eager PyTorch, starts at once. 1-3 (one level here, as vLLM spells them): "
              "also run decode steps through torch.compile and attend decodes with a C++ "
              "paged attention kernel that reads keys in place, faster per token; the "
-             "first start builds the kernel (about 30 s) and the first decode steps "
-             "compile, from seconds to minutes by model size (both cached on disk for "
-             "later starts); prefill, cascade and LoRA steps stay eager. Needs a C++ "
+             "first start builds the kernel (about 30 s), and every start compiles the "
+             "decode graphs before serving, from seconds to minutes by model size "
+             "(cached on disk for later starts); prefill, cascade and LoRA steps stay "
+             "eager. Needs a C++ "
              "compiler; without one, decode stays eager with a warning")
     block_size: int = option(
         DEFAULT_BLOCK_SIZE, "--block-size", accepts=is_positive_int,

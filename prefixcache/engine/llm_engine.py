@@ -101,6 +101,7 @@ class LLMEngine:
             compile_decode=engine_args.optimization_level > 0,
             paged_attention_kernel=engine_args.optimization_level > 0,
         )
+        self.runner.compile_decode_steps(scheduler_config.max_num_seqs)
         self.lora_registry: LoRARegistry | None = None
         if engine_args.enable_lora:
             self.lora_registry = LoRARegistry(

@@ -14,8 +14,10 @@ keys, whether rows are padded), which the compiled code takes as dynamic, so a f
 serve every such step. Other prefill chunks, cascade attention and LoRA run eagerly: a
 request never waits for a compile of a rare step shape.
 
-The first step of each kind waits for its compile, which grows with the model's size;
-Inductor keeps compiled code in its on-disk cache, so later starts reuse it. If compiling
+The engine compiles every graph before serving (`ModelRunner.compile_decode_steps`: one
+for a single token, one for a few, one past the quantized layers' row limit; the number of
+sequences and the context length never specialize a graph), which takes longer the larger
+the model; Inductor keeps compiled code in its on-disk cache, so later starts reuse it. If compiling
 fails (no C++ compiler, an unsupported op), the error is logged once and every step runs
 eagerly from then on: the engine keeps serving.
 """
@@ -33,6 +35,7 @@ import torch
 
 from prefixcache.model.attention_metadata import AttentionMetadata
 from prefixcache.model.llama import LlamaForCausalLM
+from prefixcache.model.quantized_linear import DecodeQuantizedLinear
 
 if TYPE_CHECKING:
     from prefixcache.lora.slots import LoRAStepBatch
@@ -56,8 +59,20 @@ class CompiledDecode:
             step, dynamic=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._compiled: Callable[..., torch.Tensor] | None = functools.partial(
-            compiled_step, model)
+            _call_with_free_batch_sizes, compiled_step, model)
         self._has_run = False
+        self._model = model
+
+    def step_sizes_to_compile(self, max_num_seqs: int) -> list[int]:
+        """Token counts of steps that together compile every graph decode steps of up to
+        ``max_num_seqs`` decodes use: Dynamo gives a step of one token its own graph, and
+        each weight-only quantized layer switches to the dense weight above its limit of
+        rows, so 1, 2 and (quantized models) one past that limit."""
+        sizes = {1, 2}
+        for module in self._model.modules():
+            if isinstance(module, DecodeQuantizedLinear):
+                sizes.add(module.max_quantized_tokens + 1)
+        return sorted(size for size in sizes if size <= max_num_seqs)
 
     @staticmethod
     def is_compilable(metadata: AttentionMetadata, lora: LoRAStepBatch | None) -> bool:
@@ -95,3 +110,35 @@ class CompiledDecode:
 
 def _run_model(model: LlamaForCausalLM, *args: Any) -> torch.Tensor:
     return model(*args)
+
+
+def _call_with_free_batch_sizes(
+    compiled_step: Callable[..., torch.Tensor],
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    kv_caches: list,
+    metadata: AttentionMetadata,
+    logits_indices: torch.Tensor,
+    *rest: Any,
+) -> torch.Tensor:
+    _free_batch_sizes(metadata, logits_indices)
+    return compiled_step(model, input_ids, kv_caches, metadata, logits_indices, *rest)
+
+
+def _free_batch_sizes(metadata: AttentionMetadata, logits_indices: torch.Tensor) -> None:
+    """Keep the number of sequences and the paged kernel's block table width out of the
+    compiled graph's guards.
+
+    Nothing branches on them (only the kernel, an opaque operator, reads the batch, and
+    logits are taken for however many rows are asked), so their sizes can be unbacked
+    symbols that Dynamo never specializes: otherwise one sequence (a size of 1) and
+    several would take separate graphs, and Dynamo could tie a block table's width to an
+    unrelated size equal to it at the first trace, recompiling as the context grows.
+    """
+    torch._dynamo.decorators.mark_unbacked(logits_indices, 0)
+    batch = metadata.decode_paged
+    if batch is not None:
+        torch._dynamo.decorators.mark_unbacked(batch.block_tables, 0)
+        torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
+        torch._dynamo.decorators.mark_unbacked(batch.query_start, 0)
+        torch._dynamo.decorators.mark_unbacked(batch.seq_lens, 0)

@@ -10,6 +10,8 @@ and returns the logits of the sequences that will sample.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,8 @@ from prefixcache.model.llama import LlamaForCausalLM
 from prefixcache.worker import kv_transfer
 from prefixcache.worker.compiled_decode import CompiledDecode
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
+
+logger = logging.getLogger(__name__)
 
 # One layer of SmolLM2-135M shapes (float32, 2 threads): cascade decode attention broke even
 # with the plain padded batch at roughly 64-128 shared tokens for 32 decodes, later for fewer
@@ -128,6 +132,22 @@ class ModelRunner:
                 and CompiledDecode.is_compilable(inputs.metadata, inputs.lora):
             return self.compiled_decode.run(self.model, *args)
         return self.model(*args)
+
+    def compile_decode_steps(self, max_num_seqs: int) -> None:
+        """With `compile_decode`, compile now every graph that decode steps of up to
+        `max_num_seqs` decodes will use, so that no request waits for a compile.
+
+        Runs dummy steps of decodes at position 0 of block 0, whose K/V they overwrite:
+        call it before any request has written to the cache.
+        """
+        if self.compiled_decode is None:
+            return
+        for num_tokens in self.compiled_decode.step_sizes_to_compile(max_num_seqs):
+            start = time.perf_counter()
+            self.execute([ScheduledSequence(f"compile-{i}", [0], 0, [0], True)
+                          for i in range(num_tokens)])
+            logger.info("compiled the decode step graph for %d token(s) in %.1f s", num_tokens,
+                        time.perf_counter() - start)
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""

@@ -161,3 +161,27 @@ def test_compiled_decode_steps_call_the_kernel(model_and_config, monkeypatch):
     assert len(calls) == config.num_layers
     gathered_logits, _ = fill_and_decode(make_runner(model_and_config, False), SEQUENCES)
     torch.testing.assert_close(compiled_logits, gathered_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_compiling_ahead_covers_every_later_decode_step(model_and_config):
+    """After `compile_decode_steps`, steps of any number of decodes and short chunks, at
+    any context length, run without compiling again."""
+    from torch._dynamo.utils import counters
+
+    model, config = model_and_config
+    runner = ModelRunner(model, config, num_kv_blocks=64, block_size=BLOCK_SIZE,
+                         min_shared_prefix_tokens=10**9, compile_decode=True,
+                         paged_attention_kernel=True)
+    runner.compile_decode_steps(max_num_seqs=16)
+    assert runner.compiled_decode.step_sizes_to_compile(16) == [1, 2]  # float weights
+    compiles = counters["stats"]["unique_graphs"]
+    for i, (token_ids, table) in enumerate(SEQUENCES):
+        runner.execute([ScheduledSequence(f"fill{i}", token_ids[:-1], 0, table, False)])
+    decodes = [ScheduledSequence(str(i), ids[-1:], len(ids) - 1, table, True)
+               for i, (ids, table) in enumerate(SEQUENCES)]
+    question = ScheduledSequence("question", random_token_ids(3, seed=5), 37,
+                                 SEQUENCES[2][1], True)
+    for step in ([decodes[2]], decodes, [question], [question, decodes[0]], decodes[:2]):
+        runner.execute(step)
+    assert counters["stats"]["unique_graphs"] == compiles
+    assert runner.compiled_decode._compiled is not None
