@@ -54,6 +54,8 @@ inline void axpy(float weight, const float* row, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += weight * row[i];
 }
 
+constexpr int64_t kMinKeysToParallelize = 4096;  // keys times KV heads
+
 struct Task {
   int64_t sequence;
   int64_t key_start;  // first key of the run
@@ -115,8 +117,11 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   std::vector<float> partial_out(num_splits * num_rows * row_stride * head_dim);
   const float scale_f = static_cast<float>(scale);
 
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1,
-                   [&](int64_t begin, int64_t end) {
+  // Waking the other threads costs more than a few thousand keys take: below that, the
+  // calling thread does every task.
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = total_keys * num_kv_heads < kMinKeysToParallelize ? num_tasks : 1;
+  at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
     // A tile is kLanes keys: converted to float row by row, then transposed so that one
     // vector holds one coordinate of all its keys, and a query's scores for the whole
     // tile are kHeadDim multiply-adds with no horizontal sums.
@@ -276,7 +281,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 
   // Merge each output vector's runs: weights exp(run max - overall max).
-  at::parallel_for(0, num_rows * row_stride, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * row_stride, 256, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at) {
       float maximum = -std::numeric_limits<float>::infinity();
       for (int64_t r = 0; r < num_splits; ++r) {
@@ -361,4 +366,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
     }
   });
   return out;
+}
+
+// Registered with PyTorch's dispatcher, so that compiled graphs call it without going
+// through Python.
+TORCH_LIBRARY(prefixcache, m) {
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
 }

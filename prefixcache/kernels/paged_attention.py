@@ -35,30 +35,27 @@ _EXTENSION_NAME = "prefixcache_paged_attention"
 @functools.cache
 def load_paged_attention() -> bool:
     """Build (or load the cached build of) the kernel; True when `paged_attention` works."""
-    global _extension
     try:
         from torch.utils.cpp_extension import load_inline
 
         _put_ninja_on_path()
         start = time.perf_counter()
-        _extension = load_inline(
+        load_inline(
             name=_EXTENSION_NAME,
             cpp_sources=[_SOURCE.read_text()],
-            functions=["paged_attention"],
+            is_python_module=False,  # the library registers torch.ops.prefixcache
             # at::parallel_for is inline OpenMP: without -fopenmp it runs on one thread.
             extra_cflags=["-O3", "-fopenmp", *_vector_isa_flags()],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        torch.library.register_fake("prefixcache::paged_attention")(_fake_paged_attention)
         logger.debug("paged attention kernel ready in %.1f s", time.perf_counter() - start)
         return True
     except Exception as exc:  # noqa: BLE001 - any build failure means the plain path
         logger.warning("the paged attention kernel could not be built, attention gathers "
                        "keys instead: %s: %s", type(exc).__name__, exc)
         return False
-
-
-_extension = None
 
 
 def _put_ninja_on_path() -> None:
@@ -115,28 +112,11 @@ def paged_attention(
     `load_paged_attention()` to have returned True; raises RuntimeError on inconsistent
     inputs (a block id outside the cache, too few blocks for a length).
     """
-    if torch.compiler.is_compiling():
-        # An opaque operator to the compiler; eagerly, the direct call skips its dispatch.
-        return _paged_attention_op(query, key_cache, value_cache, block_tables, query_start,
-                                   seq_lens, scale)
-    return _extension.paged_attention(query, key_cache, value_cache, block_tables,
-                                      query_start, seq_lens, scale)
+    return torch.ops.prefixcache.paged_attention(query, key_cache, value_cache, block_tables,
+                                                 query_start, seq_lens, scale)
 
 
-@torch.library.custom_op("prefixcache::paged_attention", mutates_args=())
-def _paged_attention_op(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return _extension.paged_attention(query, key_cache, value_cache, block_tables,
-                                      query_start, seq_lens, scale)
-
-
-@_paged_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, query_start, seq_lens, scale):
+def _fake_paged_attention(query, key_cache, value_cache, block_tables, query_start, seq_lens,
+                          scale):
+    """The output's shape and dtype, for tracing (torch.compile)."""
     return torch.empty_like(query)
