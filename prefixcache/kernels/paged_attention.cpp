@@ -1,11 +1,12 @@
 // Attention of a few query tokens per sequence over a paged KV cache, reading keys and
 // values where they lie in the cache: no gathered copy of a sequence's keys is made.
 //
-// Work is split into tasks of (sequence, KV head, run of keys). A task scores all of the
-// sequence's query rows of that head against its keys (each key is read once and converted
-// to float once for all rows), takes a softmax local to its run, and accumulates the values
-// the same way; the runs of a sequence are then merged by their log-sum-exp. Splitting the
-// keys, not only the heads, keeps every thread busy when one long sequence is decoded.
+// Work is split into tasks of (sequence, run of whole blocks of its keys). For each KV head
+// a task scores all of the sequence's query rows of that head against the run's keys (each
+// key is read once and converted to float once for all rows), takes a softmax local to the
+// run, and accumulates the values the same way; the runs of a sequence are then merged by
+// their log-sum-exp. Splitting the keys keeps every thread busy when one long sequence is
+// decoded, and a task reads its blocks whole (all heads of a block are contiguous).
 // All arithmetic is in float32 whatever the cache's dtype.
 
 #include <ATen/ATen.h>
@@ -132,151 +133,153 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
     // A task takes every head of its run of keys: a block's keys of all heads are one
     // contiguous stretch of memory, read whole by one thread.
     for (int64_t index = begin; index < end; ++index) {
-    const Task& task = tasks[index];
-    for (int64_t head = 0; head < num_kv_heads; ++head) {
-      const int64_t first_row = starts[task.sequence];
-      const int64_t num_query_rows = starts[task.sequence + 1] - first_row;
-      const int64_t seq_len = lens[task.sequence];
-      const int64_t run = task.key_end - task.key_start;
-      const int64_t num_vectors = num_query_rows * group;
-      const int64_t* table = tables + task.sequence * max_blocks;
-      // Where each key of the run lies in the cache, walked block by block (a division
-      // per key would cost more than the key's arithmetic).
-      row_offsets.resize(run);
-      for (int64_t t = task.key_start; t < task.key_end;) {
-        const int64_t block = table[t / block_size];
-        const int64_t offset = t % block_size;
-        const int64_t block_end = std::min(task.key_end, t + block_size - offset);
-        for (int64_t slot = block * block_size + offset; t < block_end; ++t, ++slot) {
-          row_offsets[t - task.key_start] = (slot * num_kv_heads + head) * kHeadDim;
-        }
-      }
-      // Query row i of the sequence sits at position seq_len - num_query_rows + i and
-      // sees the keys before and at it: the first `count(i)` keys of this run.
-      auto count = [&](int64_t i) {
-        return std::min(task.key_end, seq_len - num_query_rows + i + 1) - task.key_start;
-      };
-      // Padded to whole blocks of kScoreVectors with zeros (their scores are dropped).
-      const int64_t padded_vectors = (num_vectors + kScoreVectors - 1) / kScoreVectors * kScoreVectors;
-      scaled_query.assign(padded_vectors * kHeadDim, 0.0f);
-      for (int64_t i = 0; i < num_query_rows; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const float* q = queries + (((first_row + i) * num_kv_heads + head) * group + g) * kHeadDim;
-          float* dst = scaled_query.data() + (i * group + g) * kHeadDim;
-          for (int64_t d = 0; d < kHeadDim; ++d) dst[d] = q[d] * scale_f;
-        }
-      }
-
-      scores.resize(num_vectors * run);
-      for (int64_t tile_start = task.key_start; tile_start < task.key_end; tile_start += kLanes) {
-        const int64_t tile_keys = std::min<int64_t>(kLanes, task.key_end - tile_start);
-        for (int64_t k = 0; k < tile_keys; ++k) {
-          row_to_float<scalar_t, kHeadDim>(keys + row_offsets[tile_start + k - task.key_start],
-                                           key_tile + k * kHeadDim);
-        }
-        at::vec::transpose_mxn<float>(key_tile, kHeadDim, key_tile_t, kLanes,
-                                      static_cast<int>(tile_keys), static_cast<int>(kHeadDim));
-        // Four query vectors at a time, each with two partial sums: eight independent
-        // chains of multiply-adds sharing each load of the tile (one chain would wait
-        // on its own latency at every step).
-        for (int64_t v0 = 0; v0 < num_vectors; v0 += kScoreVectors) {
-          const float* q = scaled_query.data() + v0 * kHeadDim;
-          Vec even[kScoreVectors], odd[kScoreVectors];
-          for (int64_t u = 0; u < kScoreVectors; ++u) even[u] = odd[u] = Vec(0.0f);
-          for (int64_t d = 0; d < kHeadDim; d += 2) {
-            const Vec coordinate = Vec::loadu(key_tile_t + d * kLanes);
-            const Vec next = Vec::loadu(key_tile_t + (d + 1) * kLanes);
-            for (int64_t u = 0; u < kScoreVectors; ++u) {
-              even[u] = at::vec::fmadd(Vec(q[u * kHeadDim + d]), coordinate, even[u]);
-              odd[u] = at::vec::fmadd(Vec(q[u * kHeadDim + d + 1]), next, odd[u]);
-            }
-          }
-          const int64_t num_here = std::min<int64_t>(kScoreVectors, num_vectors - v0);
-          for (int64_t u = 0; u < num_here; ++u) {
-            (even[u] + odd[u]).store(scores.data() + (v0 + u) * run + tile_start - task.key_start,
-                                     static_cast<int>(tile_keys));
+      const Task& task = tasks[index];
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        const int64_t first_row = starts[task.sequence];
+        const int64_t num_query_rows = starts[task.sequence + 1] - first_row;
+        const int64_t seq_len = lens[task.sequence];
+        const int64_t run = task.key_end - task.key_start;
+        const int64_t num_vectors = num_query_rows * group;
+        const int64_t* table = tables + task.sequence * max_blocks;
+        // Where each key of the run lies in the cache, walked block by block (a division
+        // per key would cost more than the key's arithmetic).
+        row_offsets.resize(run);
+        for (int64_t t = task.key_start; t < task.key_end;) {
+          const int64_t block = table[t / block_size];
+          const int64_t offset = t % block_size;
+          const int64_t block_end = std::min(task.key_end, t + block_size - offset);
+          for (int64_t slot = block * block_size + offset; t < block_end; ++t, ++slot) {
+            row_offsets[t - task.key_start] = (slot * num_kv_heads + head) * kHeadDim;
           }
         }
-      }
-
-      maxima.assign(num_vectors, -std::numeric_limits<float>::infinity());
-      sums.assign(num_vectors, 0.0f);
-      for (int64_t i = 0; i < num_query_rows; ++i) {
-        const int64_t visible = count(i);
-        if (visible <= 0) continue;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t v = i * group + g;
-          float* row_scores = scores.data() + v * run;
-          const float maximum = at::vec::reduce_all<float>(
-              [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row_scores, visible);
-          at::vec::map([maximum](Vec x) { return (x - Vec(maximum)).exp_u20(); },
-                       row_scores, row_scores, visible);
-          maxima[v] = maximum;
-          sums[v] = at::vec::reduce_all<float>(
-              [](Vec& x, Vec& y) { return x + y; }, row_scores, visible);
-        }
-      }
-
-      run_values.resize(run * kHeadDim);
-      for (int64_t t = 0; t < run; ++t) {
-        row_to_float<scalar_t, kHeadDim>(values + row_offsets[t],
-                                         run_values.data() + t * kHeadDim);
-      }
-      accumulated.assign(num_vectors * kHeadDim, 0.0f);
-      // Per query row (its vectors see the same keys), up to kScoreVectors of its group's
-      // vectors at a time share each row of values. A short last pass repeats a vector
-      // rather than branching in the loop, and stores only the real ones.
-      for (int64_t i = 0; i < num_query_rows; ++i) {
-        const int64_t visible = count(i);
-        for (int64_t g0 = 0; g0 < group; g0 += kScoreVectors) {
-          const int64_t num_here = std::min<int64_t>(kScoreVectors, group - g0);
-          const float* weights[kScoreVectors];
-          for (int64_t u = 0; u < kScoreVectors; ++u) {
-            weights[u] = scores.data() + (i * group + g0 + std::min(u, num_here - 1)) * run;
+        // Query row i of the sequence sits at position seq_len - num_query_rows + i and
+        // sees the keys before and at it: the first `count(i)` keys of this run.
+        auto count = [&](int64_t i) {
+          return std::min(task.key_end, seq_len - num_query_rows + i + 1) - task.key_start;
+        };
+        // Padded to whole blocks of kScoreVectors with zeros (their scores are dropped).
+        const int64_t padded_vectors =
+            (num_vectors + kScoreVectors - 1) / kScoreVectors * kScoreVectors;
+        scaled_query.assign(padded_vectors * kHeadDim, 0.0f);
+        for (int64_t i = 0; i < num_query_rows; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            const float* q =
+                queries + (((first_row + i) * num_kv_heads + head) * group + g) * kHeadDim;
+            float* dst = scaled_query.data() + (i * group + g) * kHeadDim;
+            for (int64_t d = 0; d < kHeadDim; ++d) dst[d] = q[d] * scale_f;
           }
-          // One vector-width of the output at a time, so the accumulators (one per query
-          // vector and parity of key) stay in registers.
-          for (int64_t c = 0; c < kChunks; ++c) {
+        }
+
+        scores.resize(num_vectors * run);
+        for (int64_t tile_start = task.key_start; tile_start < task.key_end; tile_start += kLanes) {
+          const int64_t tile_keys = std::min<int64_t>(kLanes, task.key_end - tile_start);
+          for (int64_t k = 0; k < tile_keys; ++k) {
+            row_to_float<scalar_t, kHeadDim>(keys + row_offsets[tile_start + k - task.key_start],
+                                             key_tile + k * kHeadDim);
+          }
+          at::vec::transpose_mxn<float>(key_tile, kHeadDim, key_tile_t, kLanes,
+                                        static_cast<int>(tile_keys), static_cast<int>(kHeadDim));
+          // Four query vectors at a time, each with two partial sums: eight independent
+          // chains of multiply-adds sharing each load of the tile (one chain would wait
+          // on its own latency at every step).
+          for (int64_t v0 = 0; v0 < num_vectors; v0 += kScoreVectors) {
+            const float* q = scaled_query.data() + v0 * kHeadDim;
             Vec even[kScoreVectors], odd[kScoreVectors];
-#pragma GCC unroll 8
             for (int64_t u = 0; u < kScoreVectors; ++u) even[u] = odd[u] = Vec(0.0f);
-            const float* column = run_values.data() + c * kLanes;
-            int64_t t = 0;
-            for (; t + 1 < visible; t += 2) {
-              const Vec value = Vec::loadu(column + t * kHeadDim);
-              const Vec next = Vec::loadu(column + (t + 1) * kHeadDim);
-#pragma GCC unroll 8
+            for (int64_t d = 0; d < kHeadDim; d += 2) {
+              const Vec coordinate = Vec::loadu(key_tile_t + d * kLanes);
+              const Vec next = Vec::loadu(key_tile_t + (d + 1) * kLanes);
               for (int64_t u = 0; u < kScoreVectors; ++u) {
-                even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
-                odd[u] = at::vec::fmadd(Vec(weights[u][t + 1]), next, odd[u]);
+                even[u] = at::vec::fmadd(Vec(q[u * kHeadDim + d]), coordinate, even[u]);
+                odd[u] = at::vec::fmadd(Vec(q[u * kHeadDim + d + 1]), next, odd[u]);
               }
             }
-            if (t < visible) {
-              const Vec value = Vec::loadu(column + t * kHeadDim);
-              for (int64_t u = 0; u < kScoreVectors; ++u) {
-                even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
-              }
-            }
+            const int64_t num_here = std::min<int64_t>(kScoreVectors, num_vectors - v0);
             for (int64_t u = 0; u < num_here; ++u) {
-              (even[u] + odd[u]).store(
-                  accumulated.data() + (i * group + g0 + u) * kHeadDim + c * kLanes);
+              (even[u] + odd[u]).store(scores.data() + (v0 + u) * run + tile_start - task.key_start,
+                                       static_cast<int>(tile_keys));
             }
           }
         }
-      }
 
-      const int64_t partial_base = task.split * num_rows * row_stride;
-      for (int64_t i = 0; i < num_query_rows; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t v = i * group + g;
-          const int64_t at = partial_base + ((first_row + i) * num_kv_heads + head) * group + g;
-          partial_max[at] = maxima[v];
-          partial_sum[at] = sums[v];
-          std::memcpy(partial_out.data() + at * kHeadDim, accumulated.data() + v * kHeadDim,
-                      kHeadDim * sizeof(float));
+        maxima.assign(num_vectors, -std::numeric_limits<float>::infinity());
+        sums.assign(num_vectors, 0.0f);
+        for (int64_t i = 0; i < num_query_rows; ++i) {
+          const int64_t visible = count(i);
+          if (visible <= 0) continue;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t v = i * group + g;
+            float* row_scores = scores.data() + v * run;
+            const float maximum = at::vec::reduce_all<float>(
+                [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row_scores, visible);
+            at::vec::map([maximum](Vec x) { return (x - Vec(maximum)).exp_u20(); },
+                         row_scores, row_scores, visible);
+            maxima[v] = maximum;
+            sums[v] = at::vec::reduce_all<float>(
+                [](Vec& x, Vec& y) { return x + y; }, row_scores, visible);
+          }
+        }
+
+        run_values.resize(run * kHeadDim);
+        for (int64_t t = 0; t < run; ++t) {
+          row_to_float<scalar_t, kHeadDim>(values + row_offsets[t],
+                                           run_values.data() + t * kHeadDim);
+        }
+        accumulated.assign(num_vectors * kHeadDim, 0.0f);
+        // Per query row (its vectors see the same keys), up to kScoreVectors of its group's
+        // vectors at a time share each row of values. A short last pass repeats a vector
+        // rather than branching in the loop, and stores only the real ones.
+        for (int64_t i = 0; i < num_query_rows; ++i) {
+          const int64_t visible = count(i);
+          for (int64_t g0 = 0; g0 < group; g0 += kScoreVectors) {
+            const int64_t num_here = std::min<int64_t>(kScoreVectors, group - g0);
+            const float* weights[kScoreVectors];
+            for (int64_t u = 0; u < kScoreVectors; ++u) {
+              weights[u] = scores.data() + (i * group + g0 + std::min(u, num_here - 1)) * run;
+            }
+            // One vector-width of the output at a time, so the accumulators (one per query
+            // vector and parity of key) stay in registers.
+            for (int64_t c = 0; c < kChunks; ++c) {
+              Vec even[kScoreVectors], odd[kScoreVectors];
+  #pragma GCC unroll 8
+              for (int64_t u = 0; u < kScoreVectors; ++u) even[u] = odd[u] = Vec(0.0f);
+              const float* column = run_values.data() + c * kLanes;
+              int64_t t = 0;
+              for (; t + 1 < visible; t += 2) {
+                const Vec value = Vec::loadu(column + t * kHeadDim);
+                const Vec next = Vec::loadu(column + (t + 1) * kHeadDim);
+  #pragma GCC unroll 8
+                for (int64_t u = 0; u < kScoreVectors; ++u) {
+                  even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
+                  odd[u] = at::vec::fmadd(Vec(weights[u][t + 1]), next, odd[u]);
+                }
+              }
+              if (t < visible) {
+                const Vec value = Vec::loadu(column + t * kHeadDim);
+                for (int64_t u = 0; u < kScoreVectors; ++u) {
+                  even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
+                }
+              }
+              for (int64_t u = 0; u < num_here; ++u) {
+                (even[u] + odd[u]).store(
+                    accumulated.data() + (i * group + g0 + u) * kHeadDim + c * kLanes);
+              }
+            }
+          }
+        }
+
+        const int64_t partial_base = task.split * num_rows * row_stride;
+        for (int64_t i = 0; i < num_query_rows; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t v = i * group + g;
+            const int64_t at = partial_base + ((first_row + i) * num_kv_heads + head) * group + g;
+            partial_max[at] = maxima[v];
+            partial_sum[at] = sums[v];
+            std::memcpy(partial_out.data() + at * kHeadDim, accumulated.data() + v * kHeadDim,
+                        kHeadDim * sizeof(float));
+          }
         }
       }
-    }
     }
   });
 
