@@ -63,16 +63,16 @@ class CompiledDecode:
         self._has_run = False
         self._model = model
 
-    def step_sizes_to_compile(self, max_num_seqs: int) -> list[int]:
-        """Token counts of steps that together compile every graph decode steps of up to
-        ``max_num_seqs`` decodes use: Dynamo gives a step of one token its own graph, and
-        each weight-only quantized layer switches to the dense weight above its limit of
-        rows, so 1, 2 and (quantized models) one past that limit."""
+    def step_sizes_to_compile(self, max_step_tokens: int) -> list[int]:
+        """Token counts of steps that together compile every graph that compilable steps
+        of up to ``max_step_tokens`` tokens use: Dynamo gives a step of one token its own
+        graph, and each weight-only quantized layer switches to the dense weight above its
+        limit of rows, so 1, 2 and (quantized models) one past that limit."""
         sizes = {1, 2}
         for module in self._model.modules():
             if isinstance(module, DecodeQuantizedLinear):
                 sizes.add(module.max_quantized_tokens + 1)
-        return sorted(size for size in sizes if size <= max_num_seqs)
+        return sorted(size for size in sizes if size <= max_step_tokens)
 
     @staticmethod
     def is_compilable(metadata: AttentionMetadata, lora: LoRAStepBatch | None) -> bool:

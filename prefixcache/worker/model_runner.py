@@ -134,15 +134,18 @@ class ModelRunner:
         return self.model(*args)
 
     def compile_decode_steps(self, max_num_seqs: int) -> None:
-        """With `compile_decode`, compile now every graph that decode steps of up to
-        `max_num_seqs` decodes will use, so that no request waits for a compile.
+        """With `compile_decode`, compile now every graph that steps of up to
+        `max_num_seqs` sequences will use, so that no request waits for a compile.
 
         Runs dummy steps of decodes at position 0 of block 0, whose K/V they overwrite:
         call it before any request has written to the cache.
         """
         if self.compiled_decode is None:
             return
-        for num_tokens in self.compiled_decode.step_sizes_to_compile(max_num_seqs):
+        # With the kernel a sequence may bring up to MAX_KERNEL_CHUNK_TOKENS rows.
+        rows_per_sequence = MAX_KERNEL_CHUNK_TOKENS if self.uses_paged_attention_kernel else 1
+        for num_tokens in self.compiled_decode.step_sizes_to_compile(
+                max_num_seqs * rows_per_sequence):
             start = time.perf_counter()
             self.execute([ScheduledSequence(f"compile-{i}", [0], 0, [0], True)
                           for i in range(num_tokens)])
