@@ -10,8 +10,8 @@ from prefixcache.core.eviction.adaptive import (
     CANDIDATE_PROTECTED_FRACTIONS,
     CANDIDATES,
     AdaptiveFreeBlockQueue,
-    ShadowSegmentedLRU,
 )
+from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
