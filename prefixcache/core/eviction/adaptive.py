@@ -50,8 +50,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from itertools import compress
-from operator import itemgetter
 from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
@@ -90,7 +88,6 @@ CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c i
 _IN_LOWER, _IN_UPPER, _IN_FIRST = 0, 1, 2
 # A block's ``unproven`` state while it holds new content no finished request released.
 _NEW = ()
-_last_byte = itemgetter(-1)
 
 
 class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
@@ -114,9 +111,6 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # The last byte of a hash is uniform: sample the hashes whose byte is below this.
         self.sample_threshold = max(1, min(256, round(256 * self.shadow_entries / num_blocks)))
         self.sample_rate = self.sample_threshold / 256
-        # Byte -> 1 if sampled: a request's hashes are sampled by a translate and a
-        # compress, without a Python-level test per hash.
-        self.sample_table = bytes(int(byte < self.sample_threshold) for byte in range(256))
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
         self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
                                            c.low_reuse_first) for c in self.candidates]
@@ -263,29 +257,24 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     def _observe(self, block_hashes: list[BlockHash],
                  low_reuse_hashes: set[BlockHash] | None) -> None:
-        if self.sample_threshold < 256:
-            sampled = list(compress(block_hashes, bytes(map(_last_byte, block_hashes))
-                                    .translate(self.sample_table)))
-            if not sampled:
-                return
-        elif block_hashes:
-            sampled = block_hashes
-        else:
+        threshold = self.sample_threshold
+        sampled = ([h for h in block_hashes if h[-1] < threshold] if threshold < 256
+                   else block_hashes)
+        if not sampled:
             return
         shadows = self.shadows
-        num_hits = 0
         if low_reuse_hashes:
-            for shadow in shadows:
-                num_hits += shadow.access(sampled, low_reuse_hashes)
+            num_hits = [shadow.access(sampled, low_reuse_hashes) for shadow in shadows]
         else:
-            for shadow in shadows:
-                num_hits += shadow.access(sampled)
+            num_hits = [shadow.access(sampled) for shadow in shadows]
         self.num_sampled_since_decay += len(sampled)
         if self.num_sampled_since_decay >= self.decay_every:
             self.num_sampled_since_decay = 0
             for shadow in shadows:
                 shadow.num_hits *= 0.5
-        if num_hits:  # halving every count alike never changes the leader
+        # The leader can change only if some shadow hit more than another: adding the
+        # same count to every shadow, or halving them all, keeps the leader ahead of each.
+        if num_hits.count(num_hits[0]) != len(num_hits):
             scores = [shadow.num_hits for shadow in shadows]
             best = scores.index(max(scores))
             if (best != self.leader
