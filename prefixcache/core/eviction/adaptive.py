@@ -119,11 +119,12 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.num_blocks = num_blocks
         self.reuse = SignatureReuseEstimate(self.reuse_memory_factor * num_blocks)
         # Per block: _NEW while it holds content filled since it was last taken that no
-        # finished request has released yet; the (signature, epoch) of its new content
-        # while that is unproven (released, not looked up since); else None.
-        self.unproven: list[tuple | None] = [None] * self.num_block_ids
+        # finished request has released yet; the [signature, epoch] of its new content
+        # while that is unproven (released, not looked up since), one list shared by the
+        # blocks a request released; else None.
+        self.unproven: list[list | tuple | None] = [None] * self.num_block_ids
         # The real ghost list maps an evicted hash to its content's state when evicted.
-        self.ghost: OrderedDict[BlockHash, tuple | None] = OrderedDict()
+        self.ghost: OrderedDict[BlockHash, list | tuple | None] = OrderedDict()
         self.leader = 0
         self._follow(self.candidates[0])
 
@@ -202,6 +203,11 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # probation; ``new`` is the part of it this request cached new. A block in use
         # is never unproven: it was taken (_NEW) or hit (None) since it last was.
         unhashed, lower, protected, new = [], [], [], []
+        # The (signature, epoch) of this request's new content, shared by its blocks; and
+        # the hashes of that content the shadows sample.
+        state: list = []
+        sampled_new = []
+        threshold = self.sample_threshold
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
@@ -223,13 +229,14 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             else:
                 lower.append(block)
                 if finished and unproven[block_id] is _NEW:
+                    unproven[block_id] = state  # filled in below
                     new.append(block)
+                    if block_hash[-1] < threshold:
+                        sampled_new.append(block_hash)
         low_reuse = False
         if new:
             signature = output_length_signature(request)
-            state = (signature, self.reuse.insert(signature, len(new)))
-            for block in new:
-                unproven[block.block_id] = state
+            state += (signature, self.reuse.insert(signature, len(new)))
             low_reuse = self.reuse.is_low_reuse(signature)
         if unhashed:
             self._place_first(unhashed, at_head=True)
@@ -243,7 +250,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             self._protect(protected)
         if request is not None:
             self._observe(request.block_hashes,
-                          {block.block_hash for block in new} if low_reuse else None)
+                          set(sampled_new) if low_reuse and sampled_new else None)
 
     def _place_first(self, blocks: list[KVCacheBlock], at_head: bool) -> None:
         in_upper = self.in_upper

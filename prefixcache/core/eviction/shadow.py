@@ -51,10 +51,11 @@ class ShadowSegmentedLRU:
         # each tests only the segments its shadow can have.
         marks = low_reuse_hashes if self.low_reuse_first else ()
         if self.max_protected:
+            move_to_end = protected.move_to_end
             if marks:
                 for block_hash in reversed(hashes):
                     if block_hash in protected:
-                        protected.move_to_end(block_hash)
+                        move_to_end(block_hash)
                         num_hits += 1
                     elif block_hash in probation:
                         del probation[block_hash]
@@ -74,7 +75,7 @@ class ShadowSegmentedLRU:
             else:
                 for block_hash in reversed(hashes):
                     if block_hash in protected:
-                        protected.move_to_end(block_hash)
+                        move_to_end(block_hash)
                         num_hits += 1
                     elif block_hash in probation:
                         del probation[block_hash]
@@ -94,19 +95,20 @@ class ShadowSegmentedLRU:
             # order, after the request's new hashes (protected's overflow would put it
             # there).
             promoted = []
+            promote = promoted.append
             if marks:
                 for block_hash in reversed(hashes):
                     if block_hash in probation:
                         del probation[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                         num_hits += 1
                     elif block_hash in low_reuse:
                         del low_reuse[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                         num_hits += 1
                     elif block_hash in ghost:
                         del ghost[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                     elif block_hash in marks:
                         low_reuse[block_hash] = None
                     else:
@@ -115,15 +117,15 @@ class ShadowSegmentedLRU:
                 for block_hash in reversed(hashes):
                     if block_hash in probation:
                         del probation[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                         num_hits += 1
                     elif low_reuse and block_hash in low_reuse:
                         del low_reuse[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                         num_hits += 1
                     elif block_hash in ghost:
                         del ghost[block_hash]
-                        promoted.append(block_hash)
+                        promote(block_hash)
                     else:
                         probation[block_hash] = None
             for block_hash in promoted:
