@@ -77,10 +77,13 @@ class Candidate(NamedTuple):
                 + (", low-reuse first" if self.low_reuse_first else ""))
 
 
-#: The orders the queue chooses among: the design's LRU order, two segmented LRUs (the
-#: second is ``2q``'s), and the first and last of those with low-reuse content first.
-CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.9, False),
-              Candidate(0.0, True), Candidate(0.9, True))
+#: The orders the queue chooses among: the design's LRU order, a segmented LRU with half
+#: the blocks protected, and the LRU order and ``2q``'s (90 % protected) with low-reuse
+#: content first. ``2q``'s own order is left out: until some kind of request is judged
+#: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
+#: candidate costs a shadow cache fed on every request.
+CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.0, True),
+              Candidate(0.9, True))
 #: The protected shares among :data:`CANDIDATES`, in order, without repeats.
 CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES))
 
@@ -97,7 +100,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     policy_name = "adaptive"
     summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
-    shadow_entries = 512  # entries per shadow: sample_rate = shadow_entries / num_blocks
+    shadow_entries = 384  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
     reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
