@@ -47,87 +47,49 @@ class ShadowSegmentedLRU:
                                                   self.ghost, self.low_reuse)
         num_hits = 0
         # One pass: a request's hashes are distinct, so each one's membership when it is
-        # reached is what it was before the request. Four copies of the loop, so that
-        # each tests only the segments its shadow can have.
+        # reached is what it was before the request.
         marks = low_reuse_hashes if self.low_reuse_first else ()
         if self.max_protected:
-            move_to_end = protected.move_to_end
-            if marks:
-                for block_hash in reversed(hashes):
-                    if block_hash in protected:
-                        move_to_end(block_hash)
-                        num_hits += 1
-                    elif block_hash in probation:
-                        del probation[block_hash]
-                        protected[block_hash] = None
-                        num_hits += 1
-                    elif block_hash in low_reuse:
-                        del low_reuse[block_hash]
-                        protected[block_hash] = None
-                        num_hits += 1
-                    elif block_hash in ghost:
-                        del ghost[block_hash]
-                        protected[block_hash] = None
-                    elif block_hash in marks:
-                        low_reuse[block_hash] = None
-                    else:
-                        probation[block_hash] = None
-            else:
-                for block_hash in reversed(hashes):
-                    if block_hash in protected:
-                        move_to_end(block_hash)
-                        num_hits += 1
-                    elif block_hash in probation:
-                        del probation[block_hash]
-                        protected[block_hash] = None
-                        num_hits += 1
-                    elif low_reuse and block_hash in low_reuse:
-                        del low_reuse[block_hash]
-                        protected[block_hash] = None
-                        num_hits += 1
-                    elif block_hash in ghost:
-                        del ghost[block_hash]
-                        protected[block_hash] = None
-                    else:
-                        probation[block_hash] = None
+            for block_hash in reversed(hashes):
+                if block_hash in protected:
+                    protected.move_to_end(block_hash)
+                    num_hits += 1
+                elif block_hash in probation:
+                    del probation[block_hash]
+                    protected[block_hash] = None
+                    num_hits += 1
+                elif block_hash in low_reuse:
+                    del low_reuse[block_hash]
+                    protected[block_hash] = None
+                    num_hits += 1
+                elif block_hash in ghost:
+                    del ghost[block_hash]
+                    protected[block_hash] = None
+                elif block_hash in marks:
+                    low_reuse[block_hash] = None
+                else:
+                    probation[block_hash] = None
         else:
             # Nothing stays protected: what would be promoted joins probation's tail, in
             # order, after the request's new hashes (protected's overflow would put it
-            # there).
+            # there), without passing through protected.
             promoted = []
-            promote = promoted.append
-            if marks:
-                for block_hash in reversed(hashes):
-                    if block_hash in probation:
-                        del probation[block_hash]
-                        promote(block_hash)
-                        num_hits += 1
-                    elif block_hash in low_reuse:
-                        del low_reuse[block_hash]
-                        promote(block_hash)
-                        num_hits += 1
-                    elif block_hash in ghost:
-                        del ghost[block_hash]
-                        promote(block_hash)
-                    elif block_hash in marks:
-                        low_reuse[block_hash] = None
-                    else:
-                        probation[block_hash] = None
-            else:
-                for block_hash in reversed(hashes):
-                    if block_hash in probation:
-                        del probation[block_hash]
-                        promote(block_hash)
-                        num_hits += 1
-                    elif low_reuse and block_hash in low_reuse:
-                        del low_reuse[block_hash]
-                        promote(block_hash)
-                        num_hits += 1
-                    elif block_hash in ghost:
-                        del ghost[block_hash]
-                        promote(block_hash)
-                    else:
-                        probation[block_hash] = None
+            for block_hash in reversed(hashes):
+                if block_hash in probation:
+                    del probation[block_hash]
+                    promoted.append(block_hash)
+                    num_hits += 1
+                elif block_hash in low_reuse:
+                    del low_reuse[block_hash]
+                    promoted.append(block_hash)
+                    num_hits += 1
+                elif block_hash in ghost:
+                    del ghost[block_hash]
+                    promoted.append(block_hash)
+                elif block_hash in marks:
+                    low_reuse[block_hash] = None
+                else:
+                    probation[block_hash] = None
             for block_hash in promoted:
                 probation[block_hash] = None
         if num_hits:
