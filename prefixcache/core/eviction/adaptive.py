@@ -36,10 +36,10 @@ ahead by more than ``switch_margin`` of its count (noise in the sample must not 
 flap). It starts at the first candidate, the design's order with empty blocks first.
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
-released block and, for the sampled hashes (``sample_rate`` of them), one ordered-dict
-operation per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
-with the signature of its content when it was still unproven), three bytes and one slot
-per block, a few counters per signature, plus, per shadow, at most
+released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
+operations per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
+with the signature of its content when it was still unproven), two bytes and one slot per
+block, a few counters per signature, plus, per shadow, at most
 ``2 * sample_rate * num_blocks`` hashes (entries and ghost; ``sample_rate * num_blocks``
 is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset
 empties the shadows as well as the queue's marks and ghost; the learned scores, the
