@@ -9,8 +9,10 @@ there, the least ``adaptive - lru`` over the sweep (points), and the replay time
 ``adaptive`` against ``lru``'s summed over the sweep.
 
 Leave-one-trace-out validation of ``adaptive``'s design choices, its *variants*: the
-registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-1024``: entries
-per shadow) and the candidate set without the low-reuse-first orders (``no-low-reuse``).
+registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-512``: entries
+per shadow), the costlier version it replaced (``previous``: ``2q``'s own order as a fifth
+candidate, shadows of 512 entries) and the set of recency and protection orders alone: 0,
+50 and 90 % protected (``no-low-reuse``).
 ``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
 trace left out, the variant with the best mean score on the *other* traces is chosen
 (score: the share of the widest gap closed, minus 1 for every capacity more than 0.2
@@ -19,7 +21,7 @@ points below LRU), and the left-out trace's figures under it are reported
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
-        [--lofo-variants shadow-256,shadow-1024,no-low-reuse] [--split-trace N]
+        [--lofo-variants shadow-256,shadow-512,previous,no-low-reuse] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
@@ -41,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
-from prefixcache.core.eviction.adaptive import CANDIDATES
+from prefixcache.core.eviction.adaptive import Candidate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
@@ -61,8 +63,13 @@ REGISTERED = "registered"
 ADAPTIVE_VARIANTS: dict[str, dict] = {
     REGISTERED: {},
     "shadow-256": {"shadow_entries": 256},
-    "shadow-1024": {"shadow_entries": 1024},
-    "no-low-reuse": {"candidates": tuple(c for c in CANDIDATES if not c.low_reuse_first)},
+    "shadow-512": {"shadow_entries": 512},
+    "previous": {"candidates": (Candidate(0.0, False), Candidate(0.5, False),
+                                Candidate(0.9, False), Candidate(0.0, True),
+                                Candidate(0.9, True)),
+                 "shadow_entries": 512},
+    "no-low-reuse": {"candidates": (Candidate(0.0, False), Candidate(0.5, False),
+                                    Candidate(0.9, False))},
 }
 
 

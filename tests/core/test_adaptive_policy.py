@@ -10,8 +10,8 @@ from prefixcache.core.eviction.adaptive import (
     CANDIDATE_PROTECTED_FRACTIONS,
     CANDIDATES,
     AdaptiveFreeBlockQueue,
-    ShadowSegmentedLRU,
 )
+from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
@@ -174,12 +174,14 @@ def test_evicts_the_new_content_of_long_answers_first_once_it_learns_they_are_on
 def test_reset_forgets_shadows_but_keeps_the_choice():
     manager = make_manager(24)
     queue = manager.block_pool.free_block_queue
-    queue.leader = len(CANDIDATE_PROTECTED_FRACTIONS) - 1
+    most_protected = max(CANDIDATE_PROTECTED_FRACTIONS)
+    queue.leader = next(i for i, candidate in enumerate(CANDIDATES)
+                        if candidate.protected_fraction == most_protected)
     run_prompt(manager, "a", list(range(40)))
     assert manager.reset_prefix_cache()
     assert all(not len(shadow) and not shadow.ghost for shadow in queue.shadows)
     assert queue.upper.num_free_blocks == 0
-    assert queue.current_protected_fraction == CANDIDATE_PROTECTED_FRACTIONS[-1]
+    assert queue.current_protected_fraction == most_protected
 
 
 def test_memory_stays_bounded_under_endless_new_content(monkeypatch):

@@ -36,10 +36,10 @@ ahead by more than ``switch_margin`` of its count (noise in the sample must not 
 flap). It starts at the first candidate, the design's order with empty blocks first.
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
-released block and, for the sampled hashes (``sample_rate`` of them), one ordered-dict
-operation per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
-with the signature of its content when it was still unproven), three bytes and one slot
-per block, a few counters per signature, plus, per shadow, at most
+released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
+operations per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
+with the signature of its content when it was still unproven), two bytes and one slot per
+block, a few counters per signature, plus, per shadow, at most
 ``2 * sample_rate * num_blocks`` hashes (entries and ghost; ``sample_rate * num_blocks``
 is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset
 empties the shadows as well as the queue's marks and ghost; the learned scores, the
@@ -59,6 +59,7 @@ from prefixcache.core.eviction.segmented import (
     TwoQueueFreeBlockQueue,
     TwoSegmentFreeBlockQueue,
 )
+from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
 from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
@@ -76,91 +77,20 @@ class Candidate(NamedTuple):
                 + (", low-reuse first" if self.low_reuse_first else ""))
 
 
-#: The orders the queue chooses among: the design's LRU order, two segmented LRUs (the
-#: second is ``2q``'s), and the first and last of those with low-reuse content first.
-CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.9, False),
-              Candidate(0.0, True), Candidate(0.9, True))
+#: The orders the queue chooses among: the design's LRU order, a segmented LRU with half
+#: the blocks protected, and the LRU order and ``2q``'s (90 % protected) with low-reuse
+#: content first. ``2q``'s own order is left out: until some kind of request is judged
+#: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
+#: candidate costs a shadow cache fed on every request.
+CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.0, True),
+              Candidate(0.9, True))
 #: The protected shares among :data:`CANDIDATES`, in order, without repeats.
 CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES))
 
 # Where a free block is: in_upper's values (TwoSegmentFreeBlockQueue uses 0 and 1).
 _IN_LOWER, _IN_UPPER, _IN_FIRST = 0, 1, 2
-
-
-class ShadowSegmentedLRU:
-    """A hash-only segmented LRU of ``capacity`` entries with ``2q``'s promotion rules:
-    a hash seen again while held, or while in the ghost list of its last ``capacity``
-    evictions, is protected; protected holds at most ``protected_fraction`` of the
-    entries, its oldest demoted to the newest probation ones. With ``low_reuse_first``,
-    new hashes the caller marks low-reuse wait in a segment evicted before probation."""
-
-    __slots__ = ("capacity", "max_protected", "low_reuse_first", "low_reuse", "probation",
-                 "protected", "ghost", "num_hits")
-
-    def __init__(self, capacity: int, protected_fraction: float,
-                 low_reuse_first: bool = False) -> None:
-        self.capacity = max(1, capacity)
-        self.max_protected = int(protected_fraction * self.capacity)
-        self.low_reuse_first = low_reuse_first
-        self.low_reuse: OrderedDict[BlockHash, None] = OrderedDict()
-        self.probation: OrderedDict[BlockHash, None] = OrderedDict()
-        self.protected: OrderedDict[BlockHash, None] = OrderedDict()
-        self.ghost: OrderedDict[BlockHash, None] = OrderedDict()
-        self.num_hits = 0.0
-
-    def access(self, hashes: list[BlockHash],
-               low_reuse_hashes: frozenset[BlockHash] | set[BlockHash] = frozenset()) -> None:
-        """One request's sampled hashes, prefix first: count the held ones as hits, then
-        make all of them the most recent, the deepest least recent (it is evicted first,
-        as in the real queue's release order). New hashes in ``low_reuse_hashes`` go to
-        the low-reuse segment when this shadow evicts such content first."""
-        probation, protected, ghost = self.probation, self.protected, self.ghost
-        low_reuse = self.low_reuse
-        if not self.low_reuse_first:
-            low_reuse_hashes = frozenset()
-        num_hits = 0
-        # One pass: a request's hashes are distinct, so each one's membership when it is
-        # reached is what it was before the request.
-        for block_hash in reversed(hashes):
-            if block_hash in protected:
-                protected.move_to_end(block_hash)
-                num_hits += 1
-            elif block_hash in probation:
-                del probation[block_hash]
-                protected[block_hash] = None
-                num_hits += 1
-            elif block_hash in low_reuse:
-                del low_reuse[block_hash]
-                protected[block_hash] = None
-                num_hits += 1
-            elif block_hash in ghost:
-                del ghost[block_hash]
-                protected[block_hash] = None
-            elif block_hash in low_reuse_hashes:
-                low_reuse[block_hash] = None
-            else:
-                probation[block_hash] = None
-        self.num_hits += num_hits
-        while len(protected) > self.max_protected:
-            block_hash, _ = protected.popitem(last=False)
-            probation[block_hash] = None
-        excess = len(low_reuse) + len(probation) + len(protected) - self.capacity
-        while excess > 0:
-            segment = low_reuse if low_reuse else probation if probation else protected
-            block_hash, _ = segment.popitem(last=False)
-            ghost[block_hash] = None
-            excess -= 1
-        while len(ghost) > self.capacity:
-            ghost.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self.low_reuse) + len(self.probation) + len(self.protected)
-
-    def forget(self) -> None:
-        self.low_reuse.clear()
-        self.probation.clear()
-        self.protected.clear()
-        self.ghost.clear()
+# A block's ``unproven`` state while it holds new content no finished request released.
+_NEW = ()
 
 
 class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
@@ -170,7 +100,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     policy_name = "adaptive"
     summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
-    shadow_entries = 512  # entries per shadow: sample_rate = shadow_entries / num_blocks
+    shadow_entries = 384  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
     reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
@@ -191,14 +121,13 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.num_sampled_since_decay = 0
         self.num_blocks = num_blocks
         self.reuse = SignatureReuseEstimate(self.reuse_memory_factor * num_blocks)
-        # Per block: filled since last taken and not yet released by a finished request;
-        # the signature and epoch of its still unproven new content (None once looked up).
-        self.is_new = bytearray(self.num_block_ids)
-        self.block_signature: list[int | None] = [None] * self.num_block_ids
-        self.block_epoch = [0] * self.num_block_ids
-        # The real ghost list maps an evicted hash to its unproven content's (signature,
-        # epoch), or None.
-        self.ghost: OrderedDict[BlockHash, tuple[int, int] | None] = OrderedDict()
+        # Per block: _NEW while it holds content filled since it was last taken that no
+        # finished request has released yet; the [signature, epoch] of its new content
+        # while that is unproven (released, not looked up since), one list shared by the
+        # blocks a request released; else None.
+        self.unproven: list[list | tuple | None] = [None] * self.num_block_ids
+        # The real ghost list maps an evicted hash to its content's state when evicted.
+        self.ghost: OrderedDict[BlockHash, list | tuple | None] = OrderedDict()
         self.leader = 0
         self._follow(self.candidates[0])
 
@@ -212,38 +141,41 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     @property
     def evicts_low_reuse_first(self) -> bool:
-        return self.candidates[self.leader].low_reuse_first
+        return self.low_reuse_first_followed
 
     def _follow(self, candidate: Candidate) -> None:
+        self.low_reuse_first_followed = candidate.low_reuse_first
         self.max_protected = int(candidate.protected_fraction * self.num_blocks)
         self._protect([])  # demotes whatever the new cap leaves over to probation
 
     # -- what the pool calls --------------------------------------------------------------
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        self._check_take(n)
+        if n < 0 or n > self.num_free_blocks:
+            self._check_take(n)  # raises
+        if not n:
+            return []
         first = self.first
-        from_first = min(n, first.num_free_blocks)
-        popped = first.popleft_n(from_first)
-        self.num_free_blocks -= from_first
-        in_upper = self.in_upper
-        for block in popped:
-            in_upper[block.block_id] = _IN_LOWER
-        if from_first < n:
-            popped += TwoSegmentFreeBlockQueue.popleft_n(self, n - from_first)
-        is_reused, is_new = self.is_reused, self.is_new
-        block_signature, block_epoch = self.block_signature, self.block_epoch
-        ghost = self.ghost
+        from_first = first.num_free_blocks
+        if from_first:
+            from_first = min(n, from_first)
+            popped = first.popleft_n(from_first)
+            self.num_free_blocks -= from_first
+            in_upper = self.in_upper
+            for block in popped:
+                in_upper[block.block_id] = _IN_LOWER
+            if from_first < n:
+                popped += self._take_lower_then_upper(n - from_first)
+        else:
+            popped = self._take_lower_then_upper(n)
+        is_reused, unproven, ghost = self.is_reused, self.unproven, self.ghost
         for block in popped:
             block_id = block.block_id
             is_reused[block_id] = 0
-            is_new[block_id] = 1
             if block.block_hash is not None:  # about to be evicted by the pool
-                signature = block_signature[block_id]
-                ghost[block.block_hash] = (None if signature is None
-                                           else (signature, block_epoch[block_id]))
-            block_signature[block_id] = None
-        while len(ghost) > self.max_ghost:
+                ghost[block.block_hash] = unproven[block_id]
+            unproven[block_id] = _NEW
+        for _ in range(len(ghost) - self.max_ghost):
             ghost.popitem(last=False)
         return popped
 
@@ -259,70 +191,69 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         else:
             TwoSegmentFreeBlockQueue.remove(self, block)
         self.is_reused[block_id] = 1
-        signature = self.block_signature[block_id]
-        if signature is not None:
-            self.reuse.credit(signature, self.block_epoch[block_id])
-            self.block_signature[block_id] = None
+        unproven = self.unproven[block_id]
+        if unproven:  # neither None nor _NEW: new content, looked up again
+            self.reuse.credit(*unproven)
+            self.unproven[block_id] = None
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         """``2q``'s placement, with empty blocks at the head of the first segment and,
         when followed, a finished request's low-reuse new content at its tail; then the
         shadows see the request."""
         finished = request is not None and request.status != RequestStatus.PREEMPTED
-        is_reused, is_new, ghost = self.is_reused, self.is_new, self.ghost
+        is_reused, unproven, ghost = self.is_reused, self.unproven, self.ghost
         # ``lower`` keeps the release order (deepest first) of everything bound for
-        # probation; ``new`` is the part of it this request cached new.
+        # probation; ``new`` is the part of it this request cached new. A block in use
+        # is never unproven: it was taken (_NEW) or hit (None) since it last was.
         unhashed, lower, protected, new = [], [], [], []
+        # The (signature, epoch) of this request's new content, shared by its blocks; and
+        # the hashes of that content the shadows sample.
+        state: list = []
+        sampled_new = []
+        threshold = self.sample_threshold
         for block in blocks:
             block_hash = block.block_hash
-            block_id = block.block_id
             if block_hash is None:
                 unhashed.append(block)
                 continue
-            was_new = finished and is_new[block_id]
-            if was_new:
-                is_new[block_id] = 0
+            block_id = block.block_id
             if is_reused[block_id]:
                 protected.append(block)
+                if finished:
+                    unproven[block_id] = None
             elif block_hash in ghost:
-                unproven = ghost.pop(block_hash)
-                if unproven is not None:
-                    self.reuse.credit(*unproven)  # wanted again after its eviction
+                evicted_state = ghost.pop(block_hash)
+                if evicted_state:  # unproven new content, wanted again after its eviction
+                    self.reuse.credit(*evicted_state)
                 is_reused[block_id] = 1
                 protected.append(block)
+                if finished:
+                    unproven[block_id] = None
             else:
                 lower.append(block)
-                if was_new:
+                if finished and unproven[block_id] is _NEW:
+                    unproven[block_id] = state  # filled in below
                     new.append(block)
+                    if block_hash[-1] < threshold:
+                        sampled_new.append(block_hash)
         low_reuse = False
         if new:
             signature = output_length_signature(request)
-            epoch = self.reuse.insert(signature, len(new))
-            block_signature, block_epoch = self.block_signature, self.block_epoch
-            for block in new:
-                block_signature[block.block_id] = signature
-                block_epoch[block.block_id] = epoch
+            state += (signature, self.reuse.insert(signature, len(new)))
             low_reuse = self.reuse.is_low_reuse(signature)
         if unhashed:
             self._place_first(unhashed, at_head=True)
-        if low_reuse and self.evicts_low_reuse_first:
+        if low_reuse and self.low_reuse_first_followed:
             self._place_first(new, at_head=False)
-            if len(new) < len(lower):
-                is_low = self.is_new  # all zero for these blocks now: borrow as marks
-                for block in new:
-                    is_low[block.block_id] = 1
-                lower = [block for block in lower if not is_low[block.block_id]]
-                for block in new:
-                    is_low[block.block_id] = 0
-            else:
-                lower = []
+            lower = ([block for block in lower if unproven[block.block_id] is not state]
+                     if len(new) < len(lower) else [])
         if lower:
             self.append_n(lower)
         if protected:
             self._protect(protected)
         if request is not None:
             self._observe(request.block_hashes,
-                          {block.block_hash for block in new} if low_reuse else None)
+                          set(sampled_new) if low_reuse and sampled_new else None)
 
     def _place_first(self, blocks: list[KVCacheBlock], at_head: bool) -> None:
         in_upper = self.in_upper
@@ -337,26 +268,29 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     def _observe(self, block_hashes: list[BlockHash],
                  low_reuse_hashes: set[BlockHash] | None) -> None:
         threshold = self.sample_threshold
-        sampled = [h for h in block_hashes if h[-1] < threshold] if threshold < 256 \
-            else block_hashes
+        sampled = ([h for h in block_hashes if h[-1] < threshold] if threshold < 256
+                   else block_hashes)
         if not sampled:
             return
         shadows = self.shadows
-        for shadow in shadows:
-            if low_reuse_hashes:
-                shadow.access(sampled, low_reuse_hashes)
-            else:
-                shadow.access(sampled)
+        if low_reuse_hashes:
+            num_hits = [shadow.access(sampled, low_reuse_hashes) for shadow in shadows]
+        else:
+            num_hits = [shadow.access(sampled) for shadow in shadows]
         self.num_sampled_since_decay += len(sampled)
         if self.num_sampled_since_decay >= self.decay_every:
             self.num_sampled_since_decay = 0
             for shadow in shadows:
                 shadow.num_hits *= 0.5
-        scores = [shadow.num_hits for shadow in shadows]
-        best = scores.index(max(scores))
-        if best != self.leader and scores[best] > scores[self.leader] * (1 + self.switch_margin):
-            self.leader = best
-            self._follow(self.candidates[best])
+        # The leader can change only if some shadow hit more than another: adding the
+        # same count to every shadow, or halving them all, keeps the leader ahead of each.
+        if num_hits.count(num_hits[0]) != len(num_hits):
+            scores = [shadow.num_hits for shadow in shadows]
+            best = scores.index(max(scores))
+            if (best != self.leader
+                    and scores[best] > scores[self.leader] * (1 + self.switch_margin)):
+                self.leader = best
+                self._follow(self.candidates[best])
 
     def forget_cached_content(self) -> None:
         first = self.first
@@ -367,7 +301,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
                 self.in_upper[block.block_id] = _IN_LOWER
             self.prepend_n(emptied)
         super().forget_cached_content()
-        self.block_signature = [None] * self.num_block_ids
+        self.unproven = [_NEW if state is _NEW else None for state in self.unproven]
         for shadow in self.shadows:
             shadow.forget()
 

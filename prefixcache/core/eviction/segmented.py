@@ -56,8 +56,14 @@ class TwoSegmentFreeBlockQueue(FreeKVCacheBlockQueue):
         self._check_take(n)
         if not n:
             return []
+        return self._take_lower_then_upper(n)
+
+    def _take_lower_then_upper(self, n: int) -> list[KVCacheBlock]:
+        """``popleft_n`` once checked: ``0 < n <= num_free_blocks`` blocks of these two
+        segments (a subclass with a segment of its own counts it in ``num_free_blocks``
+        and takes from it first)."""
         from_lower = min(n, self.num_lower)
-        popped = super().popleft_n(from_lower)
+        popped = FreeKVCacheBlockQueue.popleft_n(self, from_lower)
         self.num_lower -= from_lower
         if from_lower < n:
             more = self.upper.popleft_n(n - from_lower)

@@ -70,4 +70,8 @@ class SignatureReuseEstimate:
                 / (self.num_inserted.get(signature, 0.0) + prior))
 
     def is_low_reuse(self, signature: Hashable) -> bool:
-        return self.reuse_rate(signature) < self.low_reuse_ratio * self.overall_reuse_rate()
+        overall = self.overall_reuse_rate()
+        prior = self.prior_weight
+        rate = ((self.num_reused.get(signature, 0.0) + prior * overall)
+                / (self.num_inserted.get(signature, 0.0) + prior))
+        return rate < self.low_reuse_ratio * overall
