@@ -151,6 +151,11 @@ class ModelRunner:
                           for i in range(num_tokens)])
             logger.info("compiled the decode step graph for %d token(s) in %.1f s", num_tokens,
                         time.perf_counter() - start)
+        if self.uses_paged_attention_kernel:
+            # Every compilable step then has the same structure (rows for the kernel, no
+            # mask, no chunk on its own), so the graphs differ only in the token count
+            # guards that choose among them.
+            self.compiled_decode.all_graphs_compiled()
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""

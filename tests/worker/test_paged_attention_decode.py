@@ -9,6 +9,8 @@ shared prefixes, cascade attention keeps the decodes it groups.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -179,3 +181,25 @@ def test_compiling_ahead_covers_every_later_decode_step(model_and_config):
         runner.execute(step)
     assert counters["stats"]["unique_graphs"] == compiles
     assert runner.compiled_decode._compiled is not None
+
+
+def test_a_step_shape_not_compiled_ahead_is_compiled_then(model_and_config, caplog):
+    """After the startup compile a step checks only the guards that choose among the
+    graphs; a step that needs a graph not compiled then still gets one (with a warning),
+    and the right logits."""
+    model, config = model_and_config
+    runner = ModelRunner(model, config, num_kv_blocks=64, block_size=BLOCK_SIZE,
+                         min_shared_prefix_tokens=10**9, compile_decode=True,
+                         paged_attention_kernel=True)
+    runner.compiled_decode.step_sizes_to_compile = lambda max_step_tokens: [1]
+    runner.compile_decode_steps(max_num_seqs=4)  # the 1-token graph only
+    for i, (token_ids, table) in enumerate(SEQUENCES):
+        runner.execute([ScheduledSequence(f"fill{i}", token_ids[:-1], 0, table, False)])
+    steps = [ScheduledSequence(str(i), token_ids[-1:], len(token_ids) - 1, table, True)
+             for i, (token_ids, table) in enumerate(SEQUENCES)]
+    with caplog.at_level(logging.WARNING):
+        compiled_logits = runner.execute(steps)
+    assert "not compiled at startup" in caplog.text
+    assert runner.compiled_decode._compiled is not None
+    gathered_logits, _ = fill_and_decode(make_runner(model_and_config, False), SEQUENCES)
+    torch.testing.assert_close(compiled_logits, gathered_logits, atol=1e-4, rtol=1e-4)
