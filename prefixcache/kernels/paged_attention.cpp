@@ -75,7 +75,6 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   constexpr int64_t kChunks = kHeadDim / kLanes;
   constexpr int64_t kScoreVectors = 4;
   static_assert(kHeadDim % kLanes == 0, "head size must be whole vectors");
-  const int64_t head_dim = kHeadDim;
   const int64_t group = query.size(2);
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -115,7 +114,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   // A row that no run of some split index covers keeps a zero sum there and is skipped.
   std::vector<float> partial_max(num_splits * num_rows * row_stride);
   std::vector<float> partial_sum(num_splits * num_rows * row_stride, 0.0f);
-  std::vector<float> partial_out(num_splits * num_rows * row_stride * head_dim);
+  std::vector<float> partial_out(num_splits * num_rows * row_stride * kHeadDim);
   const float scale_f = static_cast<float>(scale);
 
   // Waking the other threads costs more than a few thousand keys take: below that, the
@@ -241,14 +240,12 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             // vector and parity of key) stay in registers.
             for (int64_t c = 0; c < kChunks; ++c) {
               Vec even[kScoreVectors], odd[kScoreVectors];
-  #pragma GCC unroll 8
               for (int64_t u = 0; u < kScoreVectors; ++u) even[u] = odd[u] = Vec(0.0f);
               const float* column = run_values.data() + c * kLanes;
               int64_t t = 0;
               for (; t + 1 < visible; t += 2) {
                 const Vec value = Vec::loadu(column + t * kHeadDim);
                 const Vec next = Vec::loadu(column + (t + 1) * kHeadDim);
-  #pragma GCC unroll 8
                 for (int64_t u = 0; u < kScoreVectors; ++u) {
                   even[u] = at::vec::fmadd(Vec(weights[u][t]), value, even[u]);
                   odd[u] = at::vec::fmadd(Vec(weights[u][t + 1]), next, odd[u]);
@@ -291,18 +288,18 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         const int64_t index = r * num_rows * row_stride + at;
         if (partial_sum[index] != 0.0f) maximum = std::max(maximum, partial_max[index]);
       }
-      float* dst = output + at * head_dim;
-      std::fill(dst, dst + head_dim, 0.0f);
+      float* dst = output + at * kHeadDim;
+      std::fill(dst, dst + kHeadDim, 0.0f);
       float total = 0.0f;
       for (int64_t r = 0; r < num_splits; ++r) {
         const int64_t index = r * num_rows * row_stride + at;
         if (partial_sum[index] == 0.0f) continue;  // a run this row does not see
         const float weight = std::exp(partial_max[index] - maximum);
         total += weight * partial_sum[index];
-        axpy(weight, partial_out.data() + index * head_dim, dst, head_dim);
+        axpy(weight, partial_out.data() + index * kHeadDim, dst, kHeadDim);
       }
       const float inverse = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inverse;
+      for (int64_t d = 0; d < kHeadDim; ++d) dst[d] *= inverse;
     }
   });
 }

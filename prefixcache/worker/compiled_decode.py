@@ -75,7 +75,7 @@ class CompiledDecode:
                 sizes.add(module.max_quantized_tokens + 1)
         return sorted(size for size in sizes if size <= max_step_tokens)
 
-    def all_graphs_compiled(self) -> None:
+    def mark_all_graphs_compiled(self) -> None:
         """Called once every graph steps will need exists (`step_sizes_to_compile` ran)
         and steps differ only in sizes: from then on a step checks only the guards that
         choose among the graphs. A step that would need another graph is compiled fully

@@ -155,7 +155,7 @@ class ModelRunner:
             # Every compilable step then has the same structure (rows for the kernel, no
             # mask, no chunk on its own), so the graphs differ only in the token count
             # guards that choose among them.
-            self.compiled_decode.all_graphs_compiled()
+            self.compiled_decode.mark_all_graphs_compiled()
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """The KV of ``block_ids`` as payloads for the KV tier (see `kv_transfer`)."""
