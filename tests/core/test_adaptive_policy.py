@@ -193,10 +193,11 @@ def test_memory_stays_bounded_under_endless_new_content(monkeypatch):
         run_prompt(manager, f"r{i}", [100 * i + t for t in range(25)])
         if i % 3 == 0:  # and a prompt seen before, so something is protected
             run_prompt(manager, f"again{i}", [100 * (i // 2) + t for t in range(25)])
-    assert len(queue.ghost) <= 2 * 64
+    assert len(queue.ghost) <= queue.ghost_factor * 64
     for shadow in queue.shadows:
         assert shadow.capacity == 8
         assert len(shadow.probation) + len(shadow.protected) <= shadow.capacity
-        assert len(shadow.ghost) <= shadow.capacity
+        # The shadow's ghost is as many times its size as the real queue's is the pool's.
+        assert len(shadow.ghost) <= queue.ghost_factor * shadow.capacity
         assert len(shadow.protected) <= shadow.max_protected
     assert sum(shadow.num_hits for shadow in queue.shadows) > 0  # the sample saw reuse

@@ -15,8 +15,10 @@ class PlainSegmentedLRU:
     """The shadow's contract in one loop, no shortcuts: every hash tested against every
     segment, promotions through the protected segment and its overflow."""
 
-    def __init__(self, capacity: int, protected_fraction: float, low_reuse_first: bool):
+    def __init__(self, capacity: int, protected_fraction: float, low_reuse_first: bool,
+                 ghost_factor: int):
         self.capacity = capacity
+        self.max_ghost = ghost_factor * capacity
         self.max_protected = int(protected_fraction * capacity)
         self.low_reuse_first = low_reuse_first
         self.low_reuse, self.probation = OrderedDict(), OrderedDict()
@@ -48,16 +50,18 @@ class PlainSegmentedLRU:
             segment = (self.low_reuse if self.low_reuse
                        else self.probation if self.probation else self.protected)
             self.ghost[segment.popitem(last=False)[0]] = None
-        while len(self.ghost) > self.capacity:
+        while len(self.ghost) > self.max_ghost:
             self.ghost.popitem(last=False)
 
 
 @pytest.mark.parametrize("protected_fraction", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("low_reuse_first", [False, True])
-def test_matches_a_plain_segmented_lru_on_random_traffic(protected_fraction, low_reuse_first):
-    rng = random.Random(f"{protected_fraction}-{low_reuse_first}")
-    shadow = ShadowSegmentedLRU(24, protected_fraction, low_reuse_first)
-    plain = PlainSegmentedLRU(24, protected_fraction, low_reuse_first)
+@pytest.mark.parametrize("ghost_factor", [1, 2])
+def test_matches_a_plain_segmented_lru_on_random_traffic(protected_fraction, low_reuse_first,
+                                                         ghost_factor):
+    rng = random.Random(f"{protected_fraction}-{low_reuse_first}-{ghost_factor}")
+    shadow = ShadowSegmentedLRU(24, protected_fraction, low_reuse_first, ghost_factor)
+    plain = PlainSegmentedLRU(24, protected_fraction, low_reuse_first, ghost_factor)
     num_hits = 0
     for step in range(3000):
         # Requests of 1-8 distinct hashes drawn from a pool three times the capacity, a

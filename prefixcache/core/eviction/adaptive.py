@@ -24,7 +24,8 @@ candidate (:data:`CANDIDATES`) is a pair:
   followed, so switching to it needs no warm-up.
 
 Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
-LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries fed with the hashes, among
+LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries, with a ghost list as many
+times their size as the real queue's is its (``ghost_factor``), fed with the hashes, among
 each finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
 sampling: a hash is always in or always out, so the shadows see a consistent miniature of
 the traffic), each told which of them the real queue judged low-reuse. A shadow counts a
@@ -37,11 +38,12 @@ flap). It starts at the first candidate, the design's order with empty blocks fi
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
 released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
-operations per shadow. Memory: the real queue's ghost list (``2 * num_blocks`` hashes, each
-with the signature of its content when it was still unproven), two bytes and one slot per
-block, a few counters per signature, plus, per shadow, at most
-``2 * sample_rate * num_blocks`` hashes (entries and ghost; ``sample_rate * num_blocks``
-is about ``shadow_entries``, and at least ``num_blocks / 256``). A prefix-cache reset
+operations per shadow. Memory: the real queue's ghost list (``ghost_factor * num_blocks``
+hashes, each with the signature of its content when it was still unproven), two bytes and
+one slot per block, a few counters per signature, plus, per shadow, at most
+``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and ghost;
+``sample_rate * num_blocks`` is about ``shadow_entries``, and at least
+``num_blocks / 256``). A prefix-cache reset
 empties the shadows as well as the queue's marks and ghost; the learned scores, the
 reuse estimate and the choice are kept.
 """
@@ -116,7 +118,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
         self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
-                                           c.low_reuse_first) for c in self.candidates]
+                                           c.low_reuse_first, self.ghost_factor)
+                        for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
         self.num_blocks = num_blocks

@@ -12,8 +12,8 @@ from prefixcache.core.hashing import BlockHash
 
 class ShadowSegmentedLRU:
     """A hash-only segmented LRU of ``capacity`` entries with ``2q``'s promotion rules:
-    a hash seen again while held, or while in the ghost list of its last ``capacity``
-    evictions, is protected; protected holds at most ``protected_fraction`` of the
+    a hash seen again while held, or while in the ghost list of its last
+    ``ghost_factor * capacity`` evictions, is protected; protected holds at most ``protected_fraction`` of the
     entries, its oldest demoted to the newest probation ones. With ``low_reuse_first``,
     new hashes the caller marks low-reuse wait in a segment evicted before probation.
 
@@ -22,12 +22,13 @@ class ShadowSegmentedLRU:
     LRU over hashes in which a request's hashes seen before (held, or in the ghost) become
     more recent than its new ones."""
 
-    __slots__ = ("capacity", "max_protected", "low_reuse_first", "low_reuse", "probation",
-                 "protected", "ghost", "num_hits")
+    __slots__ = ("capacity", "max_ghost", "max_protected", "low_reuse_first", "low_reuse",
+                 "probation", "protected", "ghost", "num_hits")
 
     def __init__(self, capacity: int, protected_fraction: float,
-                 low_reuse_first: bool = False) -> None:
+                 low_reuse_first: bool = False, ghost_factor: int = 1) -> None:
         self.capacity = max(1, capacity)
+        self.max_ghost = ghost_factor * self.capacity
         self.max_protected = int(protected_fraction * self.capacity)
         self.low_reuse_first = low_reuse_first
         self.low_reuse: OrderedDict[BlockHash, None] = OrderedDict()
@@ -102,7 +103,7 @@ class ShadowSegmentedLRU:
             for _ in range(num_evicted):
                 segment = low_reuse if low_reuse else probation if probation else protected
                 ghost[segment.popitem(last=False)[0]] = None
-            for _ in range(len(ghost) - self.capacity):
+            for _ in range(len(ghost) - self.max_ghost):
                 ghost.popitem(last=False)
         return num_hits
 
