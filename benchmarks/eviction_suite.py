@@ -11,8 +11,9 @@ there, the least ``adaptive - lru`` over the sweep (points), and the replay time
 Leave-one-trace-out validation of ``adaptive``'s design choices, its *variants*: the
 registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-512``: entries
 per shadow), the costlier version it replaced (``previous``: ``2q``'s own order as a fifth
-candidate, shadows of 512 entries) and the set of recency and protection orders alone: 0,
-50 and 90 % protected (``no-low-reuse``).
+candidate, shadows of 512 entries), the set of recency and protection orders alone: 0,
+50 and 90 % protected (``no-low-reuse``), and ``2q``'s ghost reach of 2 cache-fulls
+rather than 4 (``ghost-2``).
 ``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
 trace left out, the variant with the best mean score on the *other* traces is chosen
 (score: the share of the widest gap closed, minus 1 for every capacity more than 0.2
@@ -21,7 +22,7 @@ points below LRU), and the left-out trace's figures under it are reported
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
-        [--lofo-variants shadow-256,shadow-512,previous,no-low-reuse] [--split-trace N]
+        [--lofo-variants shadow-256,shadow-512,previous,no-low-reuse,ghost-2] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
@@ -70,6 +71,7 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
                  "shadow_entries": 512},
     "no-low-reuse": {"candidates": (Candidate(0.0, False), Candidate(0.5, False),
                                     Candidate(0.9, False))},
+    "ghost-2": {"ghost_factor": 2},
 }
 
 

@@ -4,7 +4,8 @@ a sample of the traffic, what each candidate would have hit.
 
 The real free queue is :class:`~prefixcache.core.eviction.TwoQueueFreeBlockQueue`'s:
 content referenced a second time (hit while free, or recomputed while its hash is in the
-ghost list of recent evictions) goes to a *protected* segment evicted after every
+ghost list of the last ``ghost_factor * num_blocks`` evictions, twice ``2q``'s reach) goes
+to a *protected* segment evicted after every
 *probation* block. In front of both is a *first* segment: blocks holding nothing (at its
 head) and, when the candidate followed says so, *low-reuse* content (at its tail). A
 candidate (:data:`CANDIDATES`) is a pair:
@@ -103,6 +104,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     policy_name = "adaptive"
     summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
     shadow_entries = 384  # entries per shadow: sample_rate = shadow_entries / num_blocks
+    # Twice ``2q``'s reach: content whose reuse comes back up to four cache-fulls after its
+    # eviction is recognised as reused. The shadows' ghosts reach as far, so a protected
+    # candidate is followed only where acting on that evidence would have hit more.
+    ghost_factor = 4
     decay_factor = 4
     switch_margin = 0.02
     reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks

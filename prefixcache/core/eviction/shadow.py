@@ -13,9 +13,10 @@ from prefixcache.core.hashing import BlockHash
 class ShadowSegmentedLRU:
     """A hash-only segmented LRU of ``capacity`` entries with ``2q``'s promotion rules:
     a hash seen again while held, or while in the ghost list of its last
-    ``ghost_factor * capacity`` evictions, is protected; protected holds at most ``protected_fraction`` of the
-    entries, its oldest demoted to the newest probation ones. With ``low_reuse_first``,
-    new hashes the caller marks low-reuse wait in a segment evicted before probation.
+    ``ghost_factor * capacity`` evictions, is protected; protected holds at most
+    ``protected_fraction`` of the entries, its oldest demoted to the newest probation
+    ones. With ``low_reuse_first``, new hashes the caller marks low-reuse wait in a
+    segment evicted before probation.
 
     :meth:`access` is the whole interface; ``num_hits`` is the count the caller compares
     (and may decay). With nothing protected (a fraction below ``1 / capacity``) it is an
