@@ -257,27 +257,6 @@ void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t block_b
               " tiles of ", kTileRows, " rows");
 }
 
-template <typename Body>
-at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
-               Body&& body) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t num_tiles = packed.size(0);
-  const int64_t num_blocks = packed.size(1);
-  auto out = at::empty({x.size(0), out_features}, x.options());
-  const int64_t weights_per_tile = kTileRows * num_blocks * kBlock;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / weights_per_tile);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "quantized_gemv",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        const QuantizedRows rows = quantize_rows<scalar_t>(x, num_blocks);
-        body(rows, out.data_ptr<scalar_t>(), num_tiles, grain);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        const QuantizedRows rows = quantize_rows<scalar_t>(x, num_blocks);
-        body(rows, out.data_ptr<scalar_t>(), num_tiles, grain);
-      }));
-  return out;
-}
-
 // A view of `rows` holding rows start .. start + count - 1 only.
 QuantizedRows row_slice(const QuantizedRows& rows, int64_t start, int64_t count) {
   QuantizedRows slice;
@@ -320,20 +299,43 @@ void over_groups_and_tiles(const QuantizedRows& rows, out_t* out, int64_t out_fe
   }
 }
 
+// Rounds x's rows, then computes every tile of the output with
+// `tile_call(rows_constant, group, tile_out, tile_index, num_valid_rows)`.
+template <typename TileCall>
+at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
+               TileCall&& tile_call) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t num_tiles = packed.size(0);
+  const int64_t num_blocks = packed.size(1);
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  const int64_t weights_per_tile = kTileRows * num_blocks * kBlock;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / weights_per_tile);
+  const auto compute = [&](auto* dtype_tag) {
+    using scalar_t = std::remove_pointer_t<decltype(dtype_tag)>;
+    const QuantizedRows rows = quantize_rows<scalar_t>(x, num_blocks);
+    over_groups_and_tiles(rows, out.data_ptr<scalar_t>(), out_features, num_tiles, grain,
+                          tile_call);
+  };
+  if (x.scalar_type() == at::kFloat) {
+    compute(static_cast<float*>(nullptr));
+  } else {
+    compute(static_cast<at::BFloat16*>(nullptr));
+  }
+  return out;
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   check_common(x, packed, kInt4BlockBytes, out_features, "int4_gemv");
   TORCH_CHECK(x.size(1) == packed.size(1) * kBlock, "int4_gemv: x has ", x.size(1),
               " inputs, the weights ", packed.size(1) * kBlock);
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = packed.size(1) * kInt4BlockBytes;
-  return run(x, packed, out_features, [&](const QuantizedRows& rows, auto* out,
-                                          int64_t num_tiles, int64_t grain) {
-    over_groups_and_tiles(rows, out, out_features, num_tiles, grain,
-        [&](auto rows_constant, const QuantizedRows& group, auto* tile_out, int64_t t,
-            int64_t num_valid) {
-          int4_tile<decltype(rows_constant)::value>(weights + t * tile_bytes, group, tile_out, out_features, num_valid);
-        });
-  });
+  return run(x, packed, out_features,
+             [&](auto rows_constant, const QuantizedRows& group, auto* tile_out, int64_t t,
+                 int64_t num_valid) {
+               int4_tile<decltype(rows_constant)::value>(weights + t * tile_bytes, group,
+                                                         tile_out, out_features, num_valid);
+             });
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed,
@@ -350,15 +352,13 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed,
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   const float* scales = row_scales.data_ptr<float>();
   const int64_t tile_bytes = packed.size(1) * kInt8BlockBytes;
-  return run(x, packed, out_features, [&](const QuantizedRows& rows, auto* out,
-                                          int64_t num_tiles, int64_t grain) {
-    over_groups_and_tiles(rows, out, out_features, num_tiles, grain,
-        [&](auto rows_constant, const QuantizedRows& group, auto* tile_out, int64_t t,
-            int64_t num_valid) {
-          int8_tile<decltype(rows_constant)::value>(weights + t * tile_bytes, scales + t * kTileRows, group, tile_out,
-                           out_features, num_valid);
-        });
-  });
+  return run(x, packed, out_features,
+             [&](auto rows_constant, const QuantizedRows& group, auto* tile_out, int64_t t,
+                 int64_t num_valid) {
+               int8_tile<decltype(rows_constant)::value>(weights + t * tile_bytes,
+                                                         scales + t * kTileRows, group,
+                                                         tile_out, out_features, num_valid);
+             });
 }
 
 }  // namespace

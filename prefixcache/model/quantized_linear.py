@@ -11,8 +11,8 @@ choice is made per step.
 
 Two formats, each computed by one of two implementations, chosen when the weight is built:
 the C++ kernels of `prefixcache.kernels.quantized_gemv` where they load (they round the
-activations to int8 per block of 32 inputs and multiply in integers; see that module for
-exactly what they compute), else PyTorch's CPU kernels with bfloat16 activations (the
+activations to 15-bit integers per block of 32 inputs and multiply in integers; see that
+module for exactly what they compute), else PyTorch's CPU kernels with bfloat16 activations (the
 kernels' float32 paths are generic loops, slower than the dense matmul). Either way
 `matmul` takes and returns x's dtype.
 
