@@ -137,7 +137,9 @@ class EngineArgs(DeclaredOptions):
         help="weight-only quantized weights for steps of a few tokens (decode); prefill "
              "keeps the dense weights. auto: int4 from a 4-bit GGUF's own blocks (the "
              "default model), int8 for other quantized GGUFs, none for float weights; a "
-             "loaded model keeps the quantization it was loaded with")
+             "loaded model keeps the quantization it was loaded with. On CPUs with "
+             "AVX-512 VNNI these matmuls run on C++ kernels built on first use (about "
+             "30 s, cached); PREFIXCACHE_QUANTIZED_GEMV=0 keeps PyTorch's")
     optimization_level: int = option(
         DEFAULT_OPTIMIZATION_LEVEL, "--optimization-level", "-O",
         accepts=lambda level: type(level) is int and level in OPTIMIZATION_LEVELS,

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from prefixcache.kernels.cpp_build import build_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +36,8 @@ _EXTENSION_NAME = "prefixcache_paged_attention"
 def load_paged_attention() -> bool:
     """Build (or load the cached build of) the kernel; True when `paged_attention` works."""
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        _put_ninja_on_path()
         start = time.perf_counter()
-        load_inline(
-            name=_EXTENSION_NAME,
-            cpp_sources=[_SOURCE.read_text()],
-            is_python_module=False,  # the library registers torch.ops.prefixcache
-            # at::parallel_for is inline OpenMP: without -fopenmp it runs on one thread.
-            extra_cflags=["-O3", "-fopenmp", *_vector_isa_flags()],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        build_kernel_library(_EXTENSION_NAME, _SOURCE)
         torch.library.register_fake("prefixcache::paged_attention")(_fake_paged_attention)
         logger.debug("paged attention kernel ready in %.1f s", time.perf_counter() - start)
         return True
@@ -56,37 +45,6 @@ def load_paged_attention() -> bool:
         logger.warning("the paged attention kernel could not be built, attention gathers "
                        "keys instead: %s: %s", type(exc).__name__, exc)
         return False
-
-
-def _put_ninja_on_path() -> None:
-    """PyTorch's builder runs `ninja` from PATH; the `ninja` package (a dependency)
-    installs it next to this environment's Python, which need not be on PATH."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # the build fails with PyTorch's own message, which load_paged_attention logs
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _vector_isa_flags() -> list[str]:
-    """Compiler flags and the ATen `CPU_CAPABILITY` macro for this CPU's widest vector
-    instructions, as Inductor picks them; none (scalar code) if that is unavailable."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        isa = pick_vec_isa()
-    except Exception:  # noqa: BLE001 - a private helper: without it, build portable code
-        return []
-    if not isa:
-        return []
-    macros = isa.build_macro()
-    capability = macros[0].removeprefix("CPU_CAPABILITY_") if macros else None
-    flags = [f"-D{macro}" for macro in macros]
-    if capability:
-        flags.append(f"-DCPU_CAPABILITY={capability}")
-    return flags + isa.build_arch_flags().split()
 
 
 def paged_attention(
