@@ -7,9 +7,12 @@ a library that registers its operators under `torch.ops.prefixcache`.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def build_kernel_library(name: str, source: Path) -> None:
@@ -18,6 +21,9 @@ def build_kernel_library(name: str, source: Path) -> None:
     Raises whatever the build raises (no compiler, no ninja, a compile error)."""
     from torch.utils.cpp_extension import load_inline
 
+    # The first start on a machine waits for the compiler: say why the engine is quiet.
+    logger.info("loading the C++ kernels %s (compiled on first use, about half a minute; "
+                "cached afterwards)", name)
     _put_ninja_on_path()
     load_inline(
         name=name,
