@@ -286,7 +286,10 @@ void over_groups_and_tiles(const QuantizedRows& rows, out_t* out, int64_t out_fe
                            int64_t num_tiles, int64_t grain, TileCall&& tile_call) {
   for (int64_t start = 0; start < rows.num_rows; start += kMaxRows) {
     const int64_t count = std::min(kMaxRows, rows.num_rows - start);
-    const QuantizedRows group = count == rows.num_rows ? rows : row_slice(rows, start, count);
+    // Steps of up to kMaxRows rows (every decode step) use `rows` as it is, uncopied.
+    QuantizedRows slice;
+    if (count != rows.num_rows) slice = row_slice(rows, start, count);
+    const QuantizedRows& group = count == rows.num_rows ? rows : slice;
     out_t* group_out = out + start * out_features;
     for_row_groups(count, [&](auto rows_constant) {
       at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
