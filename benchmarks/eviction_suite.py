@@ -25,8 +25,10 @@ points below LRU), and the left-out trace's figures under it are reported
         [--lofo-variants shadow-256,shadow-512,previous,no-low-reuse,ghost-2] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
-``--families ''`` runs the shared trace alone and ``--trace ''`` skips it, so the traces can
-be measured by separate processes; ``--split-trace N`` measures the shared trace as ``N``
+``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
+after its file: a trace of your own traffic, or one kept aside from tuning).
+``--families ''`` runs that trace alone and ``--trace ''`` skips it, so the traces can
+be measured by separate processes; ``--split-trace N`` measures that trace as ``N``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
 of it what was seen on the whole; ``--combine`` then merges their outputs into one, with
 the summary and the leave-one-out check over all of them.
@@ -47,7 +49,7 @@ from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import Candidate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
-from prefixcache.sim.sweep import sweep
+from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
 from prefixcache.sim.trace import Trace, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
 
@@ -113,11 +115,16 @@ def leave_one_out(per_value: dict[str, dict[str, dict]]) -> dict:
     return report
 
 
+def trace_name(path: Path) -> str:
+    """``shared`` for the shared Mooncake trace, else the file's name without extension."""
+    return "shared" if path.resolve() == DEFAULT_TRACE else path.stem
+
+
 def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
              lofo_variants: list[str]) -> dict:
     prepared = prepare_trace(trace, TraceExpander(512))
-    working_set = len({h for hashes in prepared.block_hashes for h in hashes})
-    capacities = sorted({max(1, round(f * working_set)) for f in fractions})
+    working_set = working_set_blocks(prepared)
+    capacities = capacities_from_spec(fractions, working_set)
     result = sweep(prepared, capacities, policies)
     adaptive_class = EVICTION_POLICIES["adaptive"]
     variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
@@ -204,7 +211,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES))
     parser.add_argument("--trace", default=str(DEFAULT_TRACE),
-                        help="the shared Mooncake trace ('' or missing: skipped)")
+                        help="a Mooncake-format trace measured beside the families, named "
+                             "by its file (default: the shared trace, named 'shared'; '' "
+                             "skips it)")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
     parser.add_argument("--shadow-entries", type=int, default=None,
                         help="replay adaptive with this many shadow entries instead")
@@ -222,6 +231,8 @@ def main() -> int:
         return combine(args.combine)
     if args.split_trace < 1:
         parser.error("--split-trace must be at least 1")
+    if args.trace and Path(args.trace) != DEFAULT_TRACE and not Path(args.trace).is_file():
+        parser.error(f"--trace {args.trace}: no such file")
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = args.policies.split(",")
@@ -244,11 +255,12 @@ def main() -> int:
             print(f"{family}: done", file=sys.stderr)
     if args.trace and Path(args.trace).exists():
         shared = load_trace(Path(args.trace))
+        name = trace_name(Path(args.trace))
         if args.split_trace == 1:
-            traces["shared"] = evaluate(shared, fractions, policies, lofo_variants)
+            traces[name] = evaluate(shared, fractions, policies, lofo_variants)
         for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1):
             if args.split_trace > 1:
-                traces[f"shared-{part}/{args.split_trace}"] = evaluate(
+                traces[f"{name}-{part}/{args.split_trace}"] = evaluate(
                     dataclasses.replace(shared, requests=requests), fractions, policies,
                     lofo_variants)
     output = {

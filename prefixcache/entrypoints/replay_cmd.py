@@ -39,6 +39,10 @@ counts as all misses: hit rates are over the prompt tokens of every request.
 --sweep adds two reference curves: the infinite cache (never evicts; the ceiling) and
 Belady's offline optimum (same manager and admission, evicting the free block whose hash
 is next needed furthest in the future, deepest first on ties).
+Its capacities are block counts or shares of the trace's working set (its distinct full
+blocks): --sweep 2%,5%,10%,20%,35%,50%,75%,100% compares traces of any size. Each online
+policy is also compared with lru: the share of the widest lru->Belady gap it closes
+there, and its least margin over lru anywhere on the sweep.
 
 Offline diagnostics (--policy): dead-first evicts first the content that is never looked
 up again, otherwise LRU; dead-once-first only such content used by one request so far,
@@ -48,11 +52,20 @@ counted as the best online policy.
 """
 
 
-def _capacity_list(text: str) -> list[int]:
-    capacities = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+def _capacity_list(text: str) -> list[int | float]:
+    """Comma-separated capacities: block counts, or shares of the working set written
+    ``P%`` (returned as fractions); resolved once the trace is read."""
+    capacities: list[int | float] = []
+    for part in (part.strip() for part in text.split(",")):
+        if part.endswith("%"):
+            share = positive_float(part[:-1].strip())
+            capacities.append(share / 100)
+        elif part:
+            capacities.append(positive_int(part))
     if not capacities:
-        raise argparse.ArgumentTypeError("give at least one capacity, e.g. 1000,2000,4000")
-    return sorted(set(capacities))
+        raise argparse.ArgumentTypeError(
+            "give at least one capacity, e.g. 1000,2000,4000 or 2%,10%,50%")
+    return capacities
 
 
 def _plot_path(text: str) -> str:
@@ -103,8 +116,10 @@ def register(subparsers) -> None:
     size.add_argument("--num-blocks", type=positive_int, metavar="N",
                       help="replay once with a cache of N blocks")
     size.add_argument("--sweep", type=_capacity_list, metavar="N1,N2,...",
-                      help="replay at each capacity (blocks) and print the hit-rate curve, "
-                           "with the infinite-cache and Belady references")
+                      help="replay at each capacity and print the hit-rate curve, with the "
+                           "infinite-cache and Belady references; a capacity is a number "
+                           "of blocks, or a share of the trace's working set (its distinct "
+                           "full blocks) written like 5%%")
     parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                         metavar="B", help="tokens per block (default %(default)s; must divide "
                                           "512 for Mooncake traces)")
@@ -208,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.sim.prepared import prepare_trace
     from prefixcache.sim.replay import BELADY, ReplayConfig, replay
     from prefixcache.sim.report import format_replay, format_sweep, plot_sweep
-    from prefixcache.sim.sweep import sweep
+    from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
     from prefixcache.sim.trace import TraceFormatError, load_trace
 
     _check_option_combinations(args)
@@ -243,10 +258,11 @@ def run(args: argparse.Namespace) -> int:
         if args.sweep:
             policies = [p for p in args.policy if p != BELADY]
             with_belady = not args.no_belady
-            num_runs = len(args.sweep) * (len(policies) + with_belady)
+            capacities = capacities_from_spec(args.sweep, working_set_blocks(prepared))
+            num_runs = len(capacities) * (len(policies) + with_belady)
             with tqdm(total=num_runs * num_requests, desc="replaying", unit="req",
                       disable=not show_progress) as bar:
-                result = sweep(prepared, args.sweep, policies, with_belady=with_belady,
+                result = sweep(prepared, capacities, policies, with_belady=with_belady,
                                decode_tokens_per_s=args.decode_tokens_per_s,
                                concurrency=args.concurrency, timeline=args.timeline,
                                progress=bar.update)

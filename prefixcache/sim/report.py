@@ -107,32 +107,48 @@ def format_document_liveness(state: dict) -> str:
 
 def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) -> str:
     """Token hit rate per capacity, in percent (each value says so): one column per
-    policy, then Belady and infinite."""
+    policy, then Belady and infinite; below the table, the working set, the widest
+    lru->Belady gap and how each online policy compares with lru."""
     columns = [*result.policies, *(["belady"] if result.belady_hit_rates else []), "infinite"]
-    header = ["blocks", "GiB", *columns]
+    header = ["blocks", "of working set", "GiB", *columns]
     lines = []
     for i, num_blocks in enumerate(result.capacities):
         rates = [result.policy_to_hit_rates[p][i] for p in result.policies]
         if result.belady_hit_rates:
             rates.append(result.belady_hit_rates[i])
         rates.append(result.infinite_hit_rate)
-        lines.append([f"{num_blocks:,}",
+        lines.append([f"{num_blocks:,}", _share(num_blocks, result.working_set_blocks),
                       f"{capacity_gib(num_blocks, block_size, kv_bytes_per_token):.2f}",
                       *(f"{100 * r:.2f}%" for r in rates)])
     widths = [max(len(row[k]) for row in [header, *lines]) for k in range(len(header))]
     text = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
             for row in [header, *lines]]
     text.insert(1, "  ".join("-" * w for w in widths))
+    text.append(f"working set: {result.working_set_blocks:,} blocks (the trace's distinct "
+                f"full blocks)")
     gap = result.widest_gap()
     if gap is not None and gap["best_policy"] is not None:
         closed = gap["fraction_of_gap_closed"]
         text.append(
             f"widest LRU->Belady gap: {100 * gap['gap']:.2f} points at "
             f"{gap['capacity_blocks']:,} blocks; best online policy {gap['best_policy']} "
-            f"closes {'n/a' if closed is None else f'{100 * closed:.1f} %'} of it")
+            f"closes {_percent(closed)} of it")
+    for policy, figures in result.online_versus_lru().items():
+        text.append(
+            f"{policy} vs lru: closes {_percent(figures['fraction_of_widest_gap_closed'])} "
+            f"of the widest gap; least margin over the sweep "
+            f"{figures['min_minus_baseline_points']:+.2f} points")
     for violation in result.ordering_violations:
         text.append(f"ORDERING VIOLATION: {violation}")
     return "\n".join(text)
+
+
+def _share(num_blocks: int, working_set: int) -> str:
+    return f"{100 * num_blocks / working_set:.1f}%" if working_set else "n/a"
+
+
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.1f} %"
 
 
 def plot_formats() -> list[str]:

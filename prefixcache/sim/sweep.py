@@ -9,6 +9,10 @@
     Offline-optimal eviction at each capacity, replayed through the same manager with the
     same admission (see :mod:`prefixcache.sim.belady` for the exact definition).
 
+Capacities can be given as shares of the trace's *working set*, its distinct full blocks
+(:func:`working_set_blocks`): what a cache that never evicts ends up holding, so shares
+compare traces of any size.
+
 Every sweep checks ``infinite >= belady >= policy`` at each capacity and reports any
 violation in :attr:`SweepResult.ordering_violations` (the tests assert there are none).
 """
@@ -25,6 +29,18 @@ from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, arrival_o
 # Hit rates are compared with this slack: they are ratios of integers computed the same way,
 # so only float rounding can separate equal values.
 _ORDER_TOLERANCE = 1e-12
+
+
+def working_set_blocks(prepared: PreparedTrace) -> int:
+    """The trace's distinct full blocks (by hash)."""
+    return len({block_hash for hashes in prepared.block_hashes for block_hash in hashes})
+
+
+def capacities_from_spec(spec: Sequence[int | float], working_set: int) -> list[int]:
+    """Capacities in blocks, ascending and distinct, from a mix of block counts (ints) and
+    shares of ``working_set`` (floats: 0.02 is 2 %, each at least one block)."""
+    return sorted({entry if isinstance(entry, int) else max(1, round(entry * working_set))
+                   for entry in spec})
 
 
 def infinite_cache_hit_tokens(prepared: PreparedTrace,
@@ -65,6 +81,7 @@ class SweepResult:
     capacities: list[int]
     policies: list[str]
     infinite_hit_rate: float
+    working_set_blocks: int = 0
     policy_to_hit_rates: dict[str, list[float]] = field(default_factory=dict)
     belady_hit_rates: list[float] = field(default_factory=list)
     runs: list[ReplayResult] = field(default_factory=list)
@@ -95,14 +112,42 @@ class SweepResult:
             else None,
         }
 
+    def versus(self, policy: str, baseline: str = "lru") -> dict | None:
+        """``policy`` against ``baseline``: the share of the widest baseline->Belady gap it
+        closes there (None if there is no gap), and its least margin over the baseline
+        anywhere on the sweep, in points (negative where it is below). None without
+        Belady figures, or without both policies."""
+        rates = self.policy_to_hit_rates
+        if not self.belady_hit_rates or policy not in rates or baseline not in rates:
+            return None
+        gap = self.widest_gap(baseline)
+        i = self.capacities.index(gap["capacity_blocks"])
+        return {
+            "widest_gap_capacity_blocks": gap["capacity_blocks"],
+            "fraction_of_widest_gap_closed":
+                (rates[policy][i] - rates[baseline][i]) / gap["gap"] if gap["gap"] > 0
+                else None,
+            "min_minus_baseline_points": 100 * min(
+                a - b for a, b in zip(rates[policy], rates[baseline], strict=True)),
+        }
+
+    def online_versus_lru(self) -> dict[str, dict]:
+        """:meth:`versus` ``lru`` for every other online policy of the sweep (empty
+        without Belady figures or without ``lru``)."""
+        return {policy: figures for policy in self.policies
+                if policy != "lru" and policy in EVICTION_POLICIES
+                and (figures := self.versus(policy)) is not None}
+
     def to_dict(self) -> dict:
         return {
+            "working_set_blocks": self.working_set_blocks,
             "capacities_blocks": self.capacities,
             "infinite_hit_rate": self.infinite_hit_rate,
             "belady_hit_rates": self.belady_hit_rates,
             "policy_hit_rates": self.policy_to_hit_rates,
             "ordering_violations": self.ordering_violations,
             "widest_gap": self.widest_gap(),
+            "versus_lru": self.online_versus_lru(),
             "runs": [run.to_dict() for run in self.runs],
         }
 
@@ -118,7 +163,8 @@ def sweep(prepared: PreparedTrace, capacities: Sequence[int], policies: Sequence
     """
     policies = [p for p in policies if p != BELADY]
     result = SweepResult(list(capacities), list(policies),
-                         infinite_cache_hit_rate(prepared, timeline))
+                         infinite_cache_hit_rate(prepared, timeline),
+                         working_set_blocks(prepared))
     for policy in policies:
         result.policy_to_hit_rates[policy] = []
     extra = {} if decode_tokens_per_s is None else {"decode_tokens_per_s": decode_tokens_per_s}

@@ -123,6 +123,37 @@ def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_sweep_capacities_as_shares_of_the_working_set(small_trace, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["replay", str(small_trace), "--sweep", "10%,50%,2.5%,500", "--block-size",
+                 "512", "--policy", "lru,2q,adaptive", "--json", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    # The working set, counted from the file: each request's full 512-token blocks.
+    full_blocks = set()
+    for line in small_trace.read_text().splitlines():
+        request = json.loads(line)
+        full_blocks.update(request["hash_ids"][:request["input_length"] // 512])
+    working_set = len(full_blocks)
+    assert payload["working_set_blocks"] == working_set
+    assert payload["capacities_blocks"] == sorted(
+        {round(0.025 * working_set), round(0.1 * working_set), round(0.5 * working_set), 500})
+    assert f"working set: {working_set:,} blocks" in text
+    # Each online policy against lru, from the curves themselves.
+    rates, belady = payload["policy_hit_rates"], payload["belady_hit_rates"]
+    gaps = [b - a for a, b in zip(rates["lru"], belady, strict=True)]
+    widest = gaps.index(max(gaps))
+    for policy in ("2q", "adaptive"):
+        figures = payload["versus_lru"][policy]
+        closed = (rates[policy][widest] - rates["lru"][widest]) / gaps[widest]
+        assert figures["fraction_of_widest_gap_closed"] == pytest.approx(closed)
+        least = min(a - b for a, b in zip(rates[policy], rates["lru"], strict=True))
+        assert figures["min_minus_baseline_points"] == pytest.approx(100 * least)
+        assert (f"{policy} vs lru: closes {100 * closed:.1f} % of the widest gap; least "
+                f"margin over the sweep {100 * least:+.2f} points") in text.splitlines()
+    assert set(payload["versus_lru"]) == {"2q", "adaptive"}
+
+
 def test_a_capacity_far_beyond_the_trace_is_cheap_and_exact(small_trace, tmp_path, capsys):
     """10**20 blocks would never fit in memory: the replay uses a pool of the trace's
     demand (tests/sim/test_replay.py checks that this is exact) and reports the capacity
@@ -222,6 +253,9 @@ def test_clear_errors(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--num-blocks", "0"], "must be >= 1"),
     (["--sweep", "10,x"], "not an integer"),
+    (["--sweep", "10,0%"], "must be > 0"),
+    (["--sweep", "x%"], "not a number"),
+    (["--sweep", ","], "give at least one capacity"),
     (["--num-blocks", "8", "--policy", "mru"], "unknown policy 'mru'"),
     (["--num-blocks", "8", "--sweep", "8"], "not allowed with"),
     ([], "one of the arguments --num-blocks --sweep is required"),

@@ -12,7 +12,13 @@ from prefixcache.core import EVICTION_POLICIES
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, num_blocks_to_simulate, policy_names, replay
-from prefixcache.sim.sweep import infinite_cache_hit_rate, sweep
+from prefixcache.sim.sweep import (
+    SweepResult,
+    capacities_from_spec,
+    infinite_cache_hit_rate,
+    sweep,
+    working_set_blocks,
+)
 from prefixcache.sim.trace import Trace, TraceRequest
 from tests.sim.helpers import prepared_prefix, random_mooncake_trace, simple_lru_hit_rate
 
@@ -54,6 +60,37 @@ def test_sweep_orderings_on_the_shared_trace(prefix_512):
     assert result.belady_hit_rates[-1] == pytest.approx(result.infinite_hit_rate)
     gap = result.widest_gap()
     assert gap["gap"] > 0 and gap["best_policy"] in ONLINE
+
+
+def test_a_policy_against_lru_is_judged_at_the_widest_gap_and_everywhere():
+    result = SweepResult([10, 20, 30], ["lru", "2q"], infinite_hit_rate=0.5,
+                         policy_to_hit_rates={"lru": [0.1, 0.2, 0.3],
+                                              "2q": [0.2, 0.19, 0.3]},
+                         belady_hit_rates=[0.5, 0.3, 0.3])
+    figures = result.versus("2q")
+    assert figures["widest_gap_capacity_blocks"] == 10
+    assert figures["fraction_of_widest_gap_closed"] == pytest.approx(0.25)
+    assert figures["min_minus_baseline_points"] == pytest.approx(-1.0)
+    assert result.online_versus_lru() == {"2q": figures}
+    # Without Belady's curve there is no gap to close.
+    result.belady_hit_rates = []
+    assert result.versus("2q") is None and result.online_versus_lru() == {}
+
+
+def test_the_working_set_counts_distinct_full_blocks():
+    trace = Trace("t", [
+        TraceRequest(1, 1536, 0, 0.0, hash_ids=(1, 2, 3)),  # three full blocks
+        TraceRequest(2, 1300, 0, 1.0, hash_ids=(1, 2, 4)),  # two, and 276 tokens more
+        TraceRequest(3, 1024, 0, 2.0, hash_ids=(5, 6)),
+    ])
+    assert working_set_blocks(prepare_trace(trace, TraceExpander(512))) == 5
+    # At block size 256 each full 512-token block is two, and block 4's first half is full.
+    assert working_set_blocks(prepare_trace(trace, TraceExpander(256))) == 11
+
+
+def test_capacities_mix_block_counts_and_shares_of_the_working_set():
+    assert capacities_from_spec([0.5, 100, 1.0, 100], 1000) == [100, 500, 1000]
+    assert capacities_from_spec([1e-9, 2.0], 1000) == [1, 2000]
 
 
 @pytest.mark.parametrize("seed", range(6))
