@@ -11,8 +11,8 @@ The scheduler has already advanced every scheduled request's ``num_computed_toke
 the model runs, so the only thing the engine feeds back is the sampled tokens and the
 requests that finished.
 
-Building the engine's parts from its options (the model, the KV pool's size, the KV tier)
-is in :mod:`prefixcache.engine.engine_setup`.
+Its parts are built from its options in ``engine_setup`` (the model, the KV pool's size,
+the KV tier); a new request's checks that need no engine state are in ``request_checks``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from prefixcache.engine.engine_setup import (
 )
 from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.request_checks import check_new_request
 from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
@@ -185,37 +186,9 @@ class LLMEngine:
             raise InvalidRequestError(request_id, "the request id is still in use: it was "
                                       "aborted and step() has not yet returned its final "
                                       "output", "request_id")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(
-                request_id,
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
-            )
-        try:
-            sampling_params.validate()
-        except ValueError as error:
-            raise InvalidRequestError(request_id, str(error)) from error
-        prompt_token_ids = list(prompt_token_ids)
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError(request_id, "the prompt is empty", "prompt")
-        vocab_size = self.vocab_size
-        for token_id in prompt_token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) \
-                    or not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(request_id, f"prompt token {token_id!r} is not a "
-                                          f"token id of this model (0..{vocab_size - 1})",
-                                          "prompt")
-        if num_prompt_tokens + sampling_params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                request_id,
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) exceeds the model's context length "
-                f"max_model_len={self.max_model_len}",
-                "prompt",
-            )
-        if lora_request is not None and not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError(request_id, f"lora_request must be a LoRARequest, "
-                                      f"got {type(lora_request).__name__}", "lora_request")
+        prompt_token_ids = check_new_request(request_id, prompt_token_ids, sampling_params,
+                                             lora_request, vocab_size=self.vocab_size,
+                                             max_model_len=self.max_model_len)
         request = Request(
             request_id, prompt_token_ids, cache_salt=cache_salt,
             lora_name=None if lora_request is None else lora_request.lora_name,
