@@ -6,13 +6,9 @@ command queue (add, abort, reset, shutdown) and hears back through the asyncio e
 of whoever asked (``loop.call_soon_threadsafe``). Requests from every client therefore meet
 in one engine and are batched by its scheduler.
 
-Loop iteration::
-
-    take commands (block only when the engine is idle) -> apply them in arrival order
-    -> engine.step() if there is work -> publish the step's KV events and wait (bounded)
-    until they are on the wire -> refresh the stats snapshot -> deliver outputs, grouped
-    per stream
-    -> admit the adds held back, if nothing holds them any more
+This module is the asyncio side. The engine loop's side is
+:mod:`prefixcache.engine.engine_loop`; the commands it takes are in
+:mod:`prefixcache.engine.engine_commands`.
 
 Contracts:
 
@@ -36,8 +32,8 @@ Contracts:
   never meet in one stream.
 * A step's KV events leave before its outputs do: a client (or a router placing its next
   request by those events) that has a request's answer finds its blocks already published.
-  The wait is bounded by ``_EVENTS_SENT_TIMEOUT_S``; a stuck publisher delays outputs by
-  that much and no more.
+  The wait is bounded by ``engine_loop._EVENTS_SENT_TIMEOUT_S``; a stuck publisher
+  delays outputs by that much and no more.
 * If the engine raises, every live stream and every later call gets
   :class:`EngineDeadError`; ``is_healthy`` turns False. After ``shutdown()`` it is False
   at once, later calls get EngineDeadError, and so does every add or reset still queued
@@ -47,18 +43,15 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
-import logging
-import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.engine.errors import EngineDeadError, InvalidRequestError
+from prefixcache.engine.engine_commands import Abort, Add, Call, NewRequest, Reset, Shutdown
+from prefixcache.engine.engine_loop import SHUTDOWN_REASON, EngineLoop
+from prefixcache.engine.errors import EngineDeadError
 from prefixcache.engine.output_stream import OutputStream
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.stats import EngineStats
@@ -69,83 +62,8 @@ if TYPE_CHECKING:
     from prefixcache.events.publisher import EventPublisher
     from prefixcache.lora.request import LoRARequest
 
-logger = logging.getLogger(__name__)
 
-# How long an idle engine loop sleeps on the command queue before re-checking its state.
-# Commands wake it at once; this only bounds how stale an idle loop's view can get.
-_IDLE_WAIT_S = 0.5
-
-_SHUTDOWN_REASON = "the server is shutting down"
-# Longest wait for a step's KV events to be sent before its outputs are delivered anyway.
-_EVENTS_SENT_TIMEOUT_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class NewRequest:
-    """One engine request to add: the arguments of ``LLMEngine.add_request``."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    cache_salt: str | None = None
-    arrival_time: float | None = None
-    lora_request: LoRARequest | None = None
-
-
-# ---- commands (event loop -> engine loop) ---------------------------------------------
-
-
-@dataclass(slots=True)
-class _Add:
-    requests: list[NewRequest]
-    stream: OutputStream
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-    # Abort only the ids that belong to this stream; None aborts whoever holds them.
-    stream: OutputStream | None
-
-
-@dataclass(slots=True)
-class _Reset:
-    wait: bool
-    abort_running: bool
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
-    reset_kv_tier: bool = False
-
-
-@dataclass(slots=True)
-class _Call:
-    """Run ``function(engine)`` on the engine loop's thread; its result or exception
-    settles ``done``."""
-
-    function: Callable[[Any], Any]
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
-
-
-@dataclass(slots=True)
-class _Shutdown:
-    pass
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Engine-loop side: where the outputs of one engine request go, from its add until
-    the engine reports its final output. ``is_aborted``: aborted here, the engine's
-    final output (the next step's) is still to come and is the only one delivered."""
-
-    stream: OutputStream
-    loop: asyncio.AbstractEventLoop
-    is_aborted: bool = False
-
-
-class AsyncLLM:
+class AsyncLLM(EngineLoop):
     """Drives one engine from a dedicated thread; the server's only way to the engine.
 
     ``engine`` must follow ``LLMEngine``'s contract (``add_request``, ``abort_request``,
@@ -158,27 +76,9 @@ class AsyncLLM:
     """
 
     def __init__(self, engine: Any, event_publisher: EventPublisher | None = None) -> None:
-        self.engine = engine
-        self.event_publisher = event_publisher
-        # Shutdown may close the publisher while a slow step is still running (its join
-        # timed out); the lock and flag keep that step from publishing into it.
-        self._publish_lock = threading.Lock()
-        self._publisher_closed = False
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._request_id_to_tracked: dict[str, _Tracked] = {}
-        # Resets waiting for the running requests to finish (wait=True).
-        self._reset_waiters: list[_Reset] = []
-        # Adds not yet applied, in arrival order: behind a waiting reset, or reusing an
-        # id whose aborted request the engine has not yet reported finished.
-        self._held_adds: list[_Add] = []
-        self._stats: EngineStats = copy.copy(engine.get_stats())
-        self._dead_reason: str | None = None
+        super().__init__(engine, event_publisher)
         # Set by shutdown() before it queues the stop, so no new work is accepted meanwhile.
         self._is_shutting_down = False
-        # Set by the loop before its last drain of the queue; a command put after that
-        # must be answered by whoever put it.
-        self._has_stopped_taking_commands = False
-        self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name="prefixcache-engine-loop",
                                         daemon=True)
         self._thread.start()
@@ -239,7 +139,7 @@ class AsyncLLM:
         stream = OutputStream(lambda request_ids: self._abort_stream(stream, request_ids),
                               [r.request_id for r in requests])
         done = loop.create_future()
-        self._put_command(_Add(list(requests), stream, loop, done))
+        self._put_command(Add(list(requests), stream, loop, done))
         try:
             await done
         except asyncio.CancelledError:
@@ -264,12 +164,12 @@ class AsyncLLM:
         """Abort requests (unknown or finished ids are ignored). Does not wait; never
         blocks, so it is safe from ``finally`` blocks and other threads."""
         if request_ids:
-            self._commands.put(_Abort(list(request_ids), None))
+            self._commands.put(Abort(list(request_ids), None))
 
     def _abort_stream(self, stream: OutputStream, request_ids: Sequence[str]) -> None:
         # The stream's abort callback: ids it shares with another stream are not its own.
         if request_ids:
-            self._commands.put(_Abort(list(request_ids), stream))
+            self._commands.put(Abort(list(request_ids), stream))
 
     async def reset_prefix_cache(self, wait: bool = False, abort_running: bool = False,
                                  reset_kv_tier: bool = False) -> bool:
@@ -288,7 +188,7 @@ class AsyncLLM:
         self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._put_command(_Reset(wait, abort_running, loop, done, reset_kv_tier))
+        self._put_command(Reset(wait, abort_running, loop, done, reset_kv_tier))
         return await done
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -303,7 +203,7 @@ class AsyncLLM:
         self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._put_command(_Call(function, loop, done))
+        self._put_command(Call(function, loop, done))
         return await done
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -317,7 +217,7 @@ class AsyncLLM:
         once the step ends."""
         self._is_shutting_down = True
         if self._thread.is_alive():
-            self._commands.put(_Shutdown())
+            self._commands.put(Shutdown())
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.engine.close()  # the KV tier's queued writes
@@ -326,7 +226,7 @@ class AsyncLLM:
                 self._publisher_closed = True
                 self.event_publisher.close()
 
-    def _put_command(self, command: _Add | _Reset | _Call) -> None:
+    def _put_command(self, command: Add | Reset | Call) -> None:
         self._commands.put(command)
         if self._has_stopped_taking_commands or not self._thread.is_alive():
             # The loop stopped between our check and the put; nobody else will answer.
@@ -339,189 +239,7 @@ class AsyncLLM:
     def _stopped_reason(self) -> str:
         if self._dead_reason is not None:
             return self._dead_reason
-        return _SHUTDOWN_REASON if self._is_shutting_down else "the engine loop is not running"
-
-    # ---- engine loop (the only thread that touches self.engine) ------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                if not self._take_and_apply_commands():
-                    self._fail_all(EngineDeadError(_SHUTDOWN_REASON))
-                    return
-                outputs = []
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self.num_steps += 1
-                self._maybe_finish_pending_reset()
-                self._publish_events()
-                # Stats before delivery: a client that has its answer sees it counted.
-                self._stats = copy.copy(self.engine.get_stats())
-                self._deliver(outputs)
-                # After delivery: an id that finished in this step is free only now.
-                self._admit_held_adds()
-        except BaseException as exc:  # the engine is in an unknown state: stop serving
-            logger.exception("engine loop failed; the server stops serving requests")
-            self._dead_reason = f"engine failed: {type(exc).__name__}: {exc}"
-            self._fail_all(EngineDeadError(self._dead_reason))
-
-    def _take_and_apply_commands(self) -> bool:
-        """Apply every queued command; False on shutdown. Blocks only when idle."""
-        commands = []
-        idle = not self.engine.has_unfinished_requests()
-        try:
-            if idle:
-                commands.append(self._commands.get(timeout=_IDLE_WAIT_S))
-            while True:
-                commands.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        for index, command in enumerate(commands):
-            if isinstance(command, _Add):
-                self._admit(command)
-            elif isinstance(command, _Abort):
-                self._apply_abort(command.request_ids, command.stream)
-            elif isinstance(command, _Reset):
-                self._apply_reset(command)
-            elif isinstance(command, _Call):
-                try:
-                    result = command.function(self.engine)
-                except Exception as exc:  # noqa: BLE001 - the caller's to handle
-                    _resolve(command.loop, command.done, exception=exc)
-                else:
-                    _resolve(command.loop, command.done, result=result)
-            elif isinstance(command, _Shutdown):
-                # Already taken off the queue, so the final drain would never see them.
-                _refuse(commands[index + 1:], EngineDeadError(_SHUTDOWN_REASON))
-                return False
-        return True
-
-    def _admit(self, command: _Add) -> None:
-        """Apply an add now, or hold it back (see ``_held_adds``) behind a waiting reset,
-        an earlier held add, or an aborted request of one of its ids that the engine has
-        not yet reported finished (the engine would refuse the id)."""
-        tracked = self._request_id_to_tracked
-        if (self._reset_waiters or self._held_adds
-                or any(request.request_id in tracked and tracked[request.request_id].is_aborted
-                       for request in command.requests)):
-            self._held_adds.append(command)
-        else:
-            self._apply_add(command)
-
-    def _admit_held_adds(self) -> None:
-        held, self._held_adds = self._held_adds, []
-        for command in held:  # in arrival order; what is still held stays in order
-            self._admit(command)
-
-    def _apply_add(self, command: _Add) -> None:
-        added: list[str] = []
-        try:
-            for request in command.requests:
-                self.engine.add_request(request.request_id, request.prompt_token_ids,
-                                        request.sampling_params, cache_salt=request.cache_salt,
-                                        arrival_time=request.arrival_time or time.time(),
-                                        lora_request=request.lora_request)
-                added.append(request.request_id)
-                self._request_id_to_tracked[request.request_id] = _Tracked(
-                    command.stream, command.loop)
-        except (ValueError, TypeError) as exc:
-            # Their final outputs go to this stream, which nobody will read.
-            self._apply_abort(added, command.stream)
-            refusal = exc if isinstance(exc, InvalidRequestError) else ValueError(str(exc))
-            _resolve(command.loop, command.done, exception=refusal)
-            return
-        _resolve(command.loop, command.done, result=None)
-
-    def _apply_abort(self, request_ids: list[str], stream: OutputStream | None) -> None:
-        """Abort the live requests among ``request_ids`` (only ``stream``'s, unless None);
-        their streams get the engine's final outputs with the next step."""
-        request_id_to_tracked = self._request_id_to_tracked
-        live = []
-        for request_id in request_ids:
-            tracked = request_id_to_tracked.get(request_id)
-            if tracked is None or tracked.is_aborted:
-                continue
-            if stream is not None and tracked.stream is not stream:
-                continue
-            tracked.is_aborted = True
-            live.append(request_id)
-        if live:
-            self.engine.abort_request(live)
-        if stream is not None and self._held_adds:
-            # Only the cancelled add_requests call itself can abort a stream it has not
-            # yet returned: drop its add before it ever reaches the engine.
-            for add in self._held_adds:
-                if add.stream is stream:
-                    _call(add.loop, add.done.cancel)
-            self._held_adds = [add for add in self._held_adds if add.stream is not stream]
-
-    def _apply_reset(self, command: _Reset) -> None:
-        if command.abort_running:
-            self._apply_abort(list(self._request_id_to_tracked), None)
-        if command.wait and self.engine.has_unfinished_requests():
-            self._reset_waiters.append(command)  # one reset serves everyone waiting
-            return
-        success = bool(self.engine.reset_prefix_cache(command.reset_kv_tier))
-        _resolve(command.loop, command.done, result=success)
-
-    def _maybe_finish_pending_reset(self) -> None:
-        # The adds it held back are admitted after this step's outputs are delivered.
-        if not self._reset_waiters or self.engine.has_unfinished_requests():
-            return
-        waiters, self._reset_waiters = self._reset_waiters, []
-        success = bool(self.engine.reset_prefix_cache(
-            any(waiter.reset_kv_tier for waiter in waiters)))
-        for waiter in waiters:
-            _resolve(waiter.loop, waiter.done, result=success)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One call_soon_threadsafe per stream per step, not per output: fewer wake-ups.
-        stream_to_batch: dict[int, tuple[_Tracked, list[RequestOutput]]] = {}
-        request_id_to_tracked = self._request_id_to_tracked
-        for output in outputs:
-            tracked = request_id_to_tracked.get(output.request_id)
-            if tracked is None:  # not an id this loop added; nobody to tell
-                continue
-            if output.finished:
-                del request_id_to_tracked[output.request_id]
-            elif tracked.is_aborted:  # only the engine's final output ends an abort
-                continue
-            key = id(tracked.stream)
-            if key not in stream_to_batch:
-                stream_to_batch[key] = (tracked, [])
-            stream_to_batch[key][1].append(output)
-        for tracked, batch in stream_to_batch.values():
-            _call(tracked.loop, tracked.stream._put, batch)
-
-    def _publish_events(self) -> None:
-        if self.event_publisher is None:
-            return
-        events = self.engine.take_kv_events()
-        if events:
-            with self._publish_lock:
-                if self._publisher_closed:
-                    return
-                self.event_publisher.publish(events)
-            self.event_publisher.wait_until_sent(_EVENTS_SENT_TIMEOUT_S)
-
-    def _fail_all(self, error: BaseException) -> None:
-        self._has_stopped_taking_commands = True  # before the drain below: see _put_command
-        for tracked in self._request_id_to_tracked.values():
-            _call(tracked.loop, tracked.stream._put, error)
-        self._request_id_to_tracked.clear()
-        waiters, self._reset_waiters = self._reset_waiters, []
-        held, self._held_adds = self._held_adds, []
-        _refuse([*waiters, *held], error)
-        self._drain_commands(error)
-
-    def _drain_commands(self, error: BaseException) -> None:
-        # Commands queued after the loop stopped would otherwise wait forever.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            _refuse([command], error)
+        return SHUTDOWN_REASON if self._is_shutting_down else "the engine loop is not running"
 
 
 def _make_publisher(kv_events_args: KVEventsArgs) -> EventPublisher:
@@ -537,30 +255,3 @@ def _make_publisher(kv_events_args: KVEventsArgs) -> EventPublisher:
                                 topic=kv_events_args.kv_events_topic,
                                 data_parallel_rank=rank,
                                 block_hash_format=kv_events_args.kv_events_block_hash_format)
-
-
-def _refuse(commands: Sequence[Any], error: BaseException) -> None:
-    """Answer every add, reset and call among ``commands`` with ``error``; aborts need no
-    answer."""
-    for command in commands:
-        if isinstance(command, (_Add, _Reset, _Call)):
-            _resolve(command.loop, command.done, exception=error)
-
-
-def _call(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
-    # A closed event loop raises RuntimeError: nobody is listening there any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, *,
-             result: Any = None, exception: BaseException | None = None) -> None:
-    def settle() -> None:
-        if future.done():  # the waiter was cancelled
-            return
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-
-    _call(loop, settle)

@@ -10,44 +10,46 @@ Data goes one way each step::
 The scheduler has already advanced every scheduled request's ``num_computed_tokens`` when
 the model runs, so the only thing the engine feeds back is the sampled tokens and the
 requests that finished.
+
+Its parts are built from its options in ``engine_setup`` (the model, the KV pool's size,
+the KV tier); a new request's checks that need no engine state are in ``request_checks``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from prefixcache.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
+from prefixcache.config import CacheConfig, ModelConfig, SchedulerConfig
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request, RequestStatus
 from prefixcache.core.scheduler import Scheduler, SchedulerOutput
 from prefixcache.engine.arg_utils import EngineArgs, config_from
+from prefixcache.engine.engine_setup import (
+    TORCH_DTYPES,
+    default_num_kv_blocks,
+    load_engine_model,
+    open_kv_tier,
+)
 from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.outputs import RequestOutput
+from prefixcache.engine.request_checks import check_new_request
 from prefixcache.engine.request_state import RequestState
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stats import EngineStats
-from prefixcache.kv_tier import KVTier, open_backend
 from prefixcache.kv_tier.engine_link import offer_step_blocks
 from prefixcache.lora.adapter import LoRAAdapter
 from prefixcache.lora.errors import LoRAError
 from prefixcache.lora.registry import LoRARegistry
 from prefixcache.lora.request import LoRARequest
-from prefixcache.model.loader import LoadedModel, load_model
+from prefixcache.model.loader import LoadedModel
 from prefixcache.model.quantization import decode_weight_bytes, dense_weight_bytes
-from prefixcache.worker.kv_cache_memory import num_kv_blocks_for_memory
-from prefixcache.worker.kv_transfer import kv_layout
 from prefixcache.worker.model_runner import ModelRunner
 from prefixcache.worker.scheduled_sequence import ScheduledSequence
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLMEngine:
@@ -92,7 +94,7 @@ class LLMEngine:
             enable_events=cache_config.enable_kv_events,
             eviction_policy=cache_config.eviction_policy,
         )
-        self.kv_tier = _open_kv_tier(engine_args, loaded_model, self.kv_cache_manager, dtype) \
+        self.kv_tier = open_kv_tier(engine_args, loaded_model, self.kv_cache_manager, dtype) \
             if engine_args.kv_tier is not None else None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_tier)
         self.runner = ModelRunner(
@@ -137,21 +139,7 @@ class LLMEngine:
         FileNotFoundError for a missing model and ValueError naming the model for one
         that cannot be loaded (not a model, corrupt, an unsupported architecture).
         """
-        model = engine_args.model
-        if isinstance(model, LoadedModel):
-            loaded = model
-            if engine_args.quantization not in ("auto", model.quantization):
-                raise ValueError(f"quantization {engine_args.quantization!r} does not match "
-                                 f"the loaded model's {model.quantization!r}; load the model "
-                                 "with it or leave quantization unset")
-            model_config = ModelConfig(None, _dtype_of_loaded_model(model, engine_args.dtype),
-                                       model.quantization)
-        else:
-            model_path = None if model is None else str(model)
-            loaded = _load(model_path, engine_args.dtype or DEFAULT_DTYPE,
-                           engine_args.quantization)
-            model_config = ModelConfig(model_path, engine_args.dtype or DEFAULT_DTYPE,
-                                       loaded.quantization)
+        loaded, model_config = load_engine_model(engine_args)
         return cls(loaded, model_config, engine_args)
 
     # -- requests in and out ------------------------------------------------------------
@@ -198,37 +186,9 @@ class LLMEngine:
             raise InvalidRequestError(request_id, "the request id is still in use: it was "
                                       "aborted and step() has not yet returned its final "
                                       "output", "request_id")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(
-                request_id,
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
-            )
-        try:
-            sampling_params.validate()
-        except ValueError as error:
-            raise InvalidRequestError(request_id, str(error)) from error
-        prompt_token_ids = list(prompt_token_ids)
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError(request_id, "the prompt is empty", "prompt")
-        vocab_size = self.vocab_size
-        for token_id in prompt_token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) \
-                    or not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(request_id, f"prompt token {token_id!r} is not a "
-                                          f"token id of this model (0..{vocab_size - 1})",
-                                          "prompt")
-        if num_prompt_tokens + sampling_params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                request_id,
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) exceeds the model's context length "
-                f"max_model_len={self.max_model_len}",
-                "prompt",
-            )
-        if lora_request is not None and not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError(request_id, f"lora_request must be a LoRARequest, "
-                                      f"got {type(lora_request).__name__}", "lora_request")
+        prompt_token_ids = check_new_request(request_id, prompt_token_ids, sampling_params,
+                                             lora_request, vocab_size=self.vocab_size,
+                                             max_model_len=self.max_model_len)
         request = Request(
             request_id, prompt_token_ids, cache_salt=cache_salt,
             lora_name=None if lora_request is None else lora_request.lora_name,
@@ -438,61 +398,3 @@ class LLMEngine:
             return []
         return self.kv_cache_manager.take_events()
 
-
-def _open_kv_tier(engine_args: EngineArgs, loaded_model: LoadedModel,
-                  kv_cache_manager: KVCacheManager, dtype: torch.dtype) -> KVTier:
-    """The KV tier ``engine_args.kv_tier`` names, keyed by this engine's KV layout."""
-    hasher = kv_cache_manager.block_hasher
-    layout = kv_layout(loaded_model.model, loaded_model.arch_config,
-                       kv_cache_manager.block_size, dtype, hasher.hash_algo, hasher.none_hash)
-    backend = open_backend(engine_args.kv_tier, max_bytes=engine_args.kv_tier_max_bytes,
-                           timeout_s=engine_args.kv_tier_timeout)
-    return KVTier(backend, layout, admission=engine_args.kv_tier_admission,
-                  write_queue_bytes=engine_args.kv_tier_write_queue_bytes)
-
-
-def _dtype_of_loaded_model(loaded: LoadedModel, requested: str | None) -> str:
-    """The dtype name of ``loaded``'s weights, which its KV cache must share; ValueError if
-    ``requested`` names another or the weights are in a dtype the engine does not run."""
-    weights_dtype = next(loaded.model.parameters()).dtype
-    name = next((n for n, d in TORCH_DTYPES.items() if d == weights_dtype), None)
-    if name is None:
-        raise ValueError(f"the loaded model's weights are {weights_dtype}; the engine runs "
-                         f"{' or '.join(TORCH_DTYPES)}")
-    if requested is not None and requested != name:
-        raise ValueError(f"dtype {requested!r} does not match the loaded model's {name} "
-                         "weights; load the model in that dtype or leave dtype unset")
-    return name
-
-
-def _load(model_path: str | None, dtype: str, quantization: str) -> LoadedModel:
-    """``load_model``, with every failure but a missing path reported as a ValueError that
-    names the model (the loader's own messages may name only a field or a file format)."""
-    if model_path is not None:
-        path = Path(model_path)
-        if path.is_file() and path.suffix != ".gguf":
-            raise ValueError(f"{model_path} is neither a .gguf file nor a Hugging Face model "
-                             "folder")
-    try:
-        return load_model(model_path, TORCH_DTYPES[dtype], quantization)
-    except FileNotFoundError:
-        raise
-    except Exception as error:  # noqa: BLE001 - corrupt files fail in many ways
-        name = model_path or "the default model"
-        raise ValueError(f"cannot load {name}: {error}") from error
-
-
-def default_num_kv_blocks(
-    loaded_model: LoadedModel,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    dtype: torch.dtype,
-) -> int:
-    """Blocks that fit ``kv_cache_memory_bytes``, but no more than ``max_num_seqs``
-    sequences at the model's full context could ever hold at once."""
-    arch_config = loaded_model.arch_config
-    by_memory = num_kv_blocks_for_memory(
-        cache_config.kv_cache_memory_bytes, arch_config, cache_config.block_size, dtype
-    )
-    blocks_per_sequence = math.ceil(arch_config.max_position_embeddings / cache_config.block_size)
-    return min(by_memory, scheduler_config.max_num_seqs * blocks_per_sequence)

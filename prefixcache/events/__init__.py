@@ -2,7 +2,9 @@
 
 * ``wire`` — msgspec structs and codec (``KVEventBatch``, ``BlockStored``, ...).
 * ``convert`` — core records (raw digests, tagged extra keys) to wire events.
-* ``publisher`` — ``ZmqEventPublisher`` (PUB + ROUTER replay), ``NullEventPublisher``.
+* ``publisher`` — ``EventPublisher`` (the engine's side), ``NullEventPublisher``, sequence
+  numbers on the wire.
+* ``zmq_publisher`` — ``ZmqEventPublisher`` (PUB + ROUTER replay) and its protocol.
 * ``endpoint`` — ``endpoint_for_rank``: each data-parallel replica's own endpoint.
 * ``subscriber`` — ``EventSubscriber``, the consumer side (imports pyzmq).
 * ``index`` — ``EventIndex``, a router's view of the stored hashes built from events.
@@ -16,12 +18,7 @@ is constructed.
 from prefixcache.events.convert import block_hash_to_int64, make_batch, to_wire_event
 from prefixcache.events.endpoint import endpoint_for_rank
 from prefixcache.events.index import EventIndex
-from prefixcache.events.publisher import (
-    EventPublisher,
-    NullEventPublisher,
-    ZmqEventPublisher,
-    make_event_publisher,
-)
+from prefixcache.events.publisher import EventPublisher, NullEventPublisher, make_event_publisher
 from prefixcache.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -30,6 +27,7 @@ from prefixcache.events.wire import (
     decode_batch,
     encode_batch,
 )
+from prefixcache.events.zmq_publisher import ZmqEventPublisher
 
 __all__ = [
     "AllBlocksCleared",

@@ -1,4 +1,4 @@
-"""Receiving KV event batches: the consumer side of ``publisher``'s protocol.
+"""Receiving KV event batches: the consumer side of ``zmq_publisher``'s protocol.
 
 Works against our publisher and vLLM's alike. ``EventSubscriber.receive`` hands batches
 over in sequence order: when the live stream skips sequence numbers and a replay endpoint

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from prefixcache.engine.async_llm import AsyncLLM, NewRequest, _Add, _Reset
+from prefixcache.engine.async_llm import AsyncLLM, NewRequest
+from prefixcache.engine.engine_commands import Add, Reset
 from prefixcache.engine.output_stream import EngineDeadError
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import FakeEngine, RecordingPublisher
@@ -309,8 +310,8 @@ def test_shutdown_refuses_new_work_at_once_and_answers_what_is_queued_behind_it(
         # Calls that passed their check just before shutdown() queued their commands
         # behind the stop; the loop takes them in the same batch as the stop.
         loop = asyncio.get_running_loop()
-        add = _Add([NewRequest("c", [1], params(1))], stream, loop, loop.create_future())
-        reset = _Reset(False, False, loop, loop.create_future())
+        add = Add([NewRequest("c", [1], params(1))], stream, loop, loop.create_future())
+        reset = Reset(False, False, loop, loop.create_future())
         async_llm._commands.put(add)
         async_llm._commands.put(reset)
         gate.set()

@@ -78,6 +78,6 @@ def test_requests_publish_stored_blocks_and_reset_publishes_clear(events_server)
         metrics = scrape(http)
         assert metrics["prefixcache:kv_events_published_total"] >= len(batches) > 0
         assert metrics["prefixcache:kv_events_dropped_total"] == 0
-        # Consecutive, from the publisher's first number (its start: see events.publisher).
+        # Consecutive, from the publisher's first number (its start: see events.zmq_publisher).
         assert [b.seq for b in batches] == list(range(batches[0].seq,
                                                       batches[0].seq + len(batches)))

@@ -17,7 +17,7 @@ import pytest
 from prefixcache.core import kv_events as core
 from prefixcache.entrypoints.cli import main
 from prefixcache.events.convert import block_hash_to_int64
-from prefixcache.events.publisher import ZmqEventPublisher
+from prefixcache.events.zmq_publisher import ZmqEventPublisher
 from tests.events import VLLM_NUMBERING
 from tests.processes import REPO_ROOT, run_with_reader_gone
 

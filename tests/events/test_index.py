@@ -17,7 +17,6 @@ import pytest
 from prefixcache.core import KVCacheManager, Request
 from prefixcache.events.convert import block_hash_to_int64, make_batch
 from prefixcache.events.index import EventIndex
-from prefixcache.events.publisher import ZmqEventPublisher
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import (
     AllBlocksCleared,
@@ -27,6 +26,7 @@ from prefixcache.events.wire import (
     decode_batch,
     encode_batch,
 )
+from prefixcache.events.zmq_publisher import ZmqEventPublisher
 from tests.events import VLLM_NUMBERING
 
 BLOCK_SIZE = 4

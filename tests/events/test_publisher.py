@@ -18,12 +18,12 @@ from prefixcache.events.endpoint import endpoint_for_rank
 from prefixcache.events.publisher import (
     END_OF_REPLAY,
     NullEventPublisher,
-    ZmqEventPublisher,
     make_event_publisher,
     seq_from_bytes,
 )
 from prefixcache.events.subscriber import EventSubscriber
 from prefixcache.events.wire import decode_batch, encode_batch
+from prefixcache.events.zmq_publisher import ZmqEventPublisher
 from tests.events import VLLM_NUMBERING
 from tests.processes import free_loopback_ports
 
@@ -397,6 +397,15 @@ def test_null_publisher_and_factory():
     with make_event_publisher(TCP_ANY_PORT, topic="t", **VLLM_NUMBERING) as pub:
         assert isinstance(pub, ZmqEventPublisher)
     assert not pub._thread.is_alive()
+
+
+def test_zmq_publisher_is_still_importable_from_its_old_module():
+    from prefixcache.events import publisher
+    from prefixcache.events.publisher import ZmqEventPublisher as old_name
+
+    assert old_name is ZmqEventPublisher and publisher.ZmqEventPublisher is ZmqEventPublisher
+    with pytest.raises(AttributeError):
+        publisher.NoSuchPublisher  # noqa: B018 - the lookup is the test
 
 
 def test_rank_2_binds_both_ports_plus_2_and_stamps_rank_2_into_every_batch():
