@@ -9,11 +9,13 @@ there, the least ``adaptive - lru`` over the sweep (points), and the replay time
 ``adaptive`` against ``lru``'s summed over the sweep.
 
 Leave-one-trace-out validation of ``adaptive``'s design choices, its *variants*: the
-registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-512``: entries
-per shadow), the costlier version it replaced (``previous``: ``2q``'s own order as a fifth
-candidate, shadows of 512 entries), the set of recency and protection orders alone: 0,
-50 and 90 % protected (``no-low-reuse``), and ``2q``'s ghost reach of 2 cache-fulls
-rather than 4 (``ghost-2``).
+registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-384``,
+``shadow-512``: entries per shadow), the costlier version it replaced (``previous``:
+``2q``'s own order as a fifth candidate, shadows of 512 entries), the set of recency and
+protection orders alone: 0, 50 and 90 % protected (``no-low-reuse``), the candidates
+without the half-protected one (``no-half``), and one ghost-list reach for every
+candidate instead of the choice between two: ``2q``'s 2 cache-fulls (``ghost-2``) or 4
+(``ghost-4``).
 ``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
 trace left out, the variant with the best mean score on the *other* traces is chosen
 (score: the share of the widest gap closed, minus 1 for every capacity more than 0.2
@@ -22,7 +24,7 @@ points below LRU), and the left-out trace's figures under it are reported
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
-        [--lofo-variants shadow-256,shadow-512,previous,no-low-reuse,ghost-2] [--split-trace N]
+        [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
@@ -46,7 +48,7 @@ import tempfile
 from pathlib import Path
 
 from prefixcache.core import EVICTION_POLICIES
-from prefixcache.core.eviction.adaptive import Candidate
+from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
@@ -60,12 +62,23 @@ QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
 
 LOFO_TOLERANCE_POINTS = 0.2
+
+
+def one_reach_candidates(ghost_factor: int) -> tuple[Candidate, ...]:
+    """The registered candidate orders with one ghost-list reach for all, without the
+    repeats that leaves."""
+    orders = dict.fromkeys((c.protected_fraction, c.low_reuse_first) for c in CANDIDATES)
+    return tuple(Candidate(fraction, low_reuse_first, ghost_factor)
+                 for fraction, low_reuse_first in orders)
+
+
 REGISTERED = "registered"
 #: The variants of ``adaptive`` the leave-one-out check chooses among: class attributes
 #: to override.
 ADAPTIVE_VARIANTS: dict[str, dict] = {
     REGISTERED: {},
     "shadow-256": {"shadow_entries": 256},
+    "shadow-384": {"shadow_entries": 384},
     "shadow-512": {"shadow_entries": 512},
     "previous": {"candidates": (Candidate(0.0, False), Candidate(0.5, False),
                                 Candidate(0.9, False), Candidate(0.0, True),
@@ -73,7 +86,9 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
                  "shadow_entries": 512},
     "no-low-reuse": {"candidates": (Candidate(0.0, False), Candidate(0.5, False),
                                     Candidate(0.9, False))},
-    "ghost-2": {"ghost_factor": 2},
+    "no-half": {"candidates": tuple(c for c in CANDIDATES if c.protected_fraction != 0.5)},
+    "ghost-2": {"candidates": one_reach_candidates(2)},
+    "ghost-4": {"candidates": one_reach_candidates(4)},
 }
 
 

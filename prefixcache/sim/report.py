@@ -59,14 +59,14 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
 
 
 def format_adaptive(state: dict) -> str:
-    """adaptive's choice: the candidate order it follows at the end (protected share, and
-    whether low-reuse content goes first), and each candidate's part of the hits its
-    shadow cache counted (decayed)."""
+    """adaptive's choice: the candidate order it follows at the end (protected share,
+    whether low-reuse content goes first, the ghost list's reach), and each candidate's
+    part of the hits its shadow cache counted (decayed)."""
     shares = ", ".join(f"{label}: {part:.1%}"
                        for label, part in state["candidate_hit_shares"].items())
     low_reuse = ", low-reuse content first" if state.get("low_reuse_first") else ""
-    return (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse} at the "
-            f"end; shadow hits by candidate: {shares}")
+    return (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse}, "
+            f"ghost {state['ghost_factor']}x at the end; shadow hits by candidate: {shares}")
 
 
 def format_learned_reuse(state: dict) -> str:

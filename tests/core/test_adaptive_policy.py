@@ -10,8 +10,10 @@ from prefixcache.core.eviction.adaptive import (
     CANDIDATE_PROTECTED_FRACTIONS,
     CANDIDATES,
     AdaptiveFreeBlockQueue,
+    Candidate,
 )
 from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
+from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
@@ -201,3 +203,35 @@ def test_memory_stays_bounded_under_endless_new_content(monkeypatch):
         assert len(shadow.ghost) <= queue.ghost_factor * shadow.capacity
         assert len(shadow.protected) <= shadow.max_protected
     assert sum(shadow.num_hits for shadow in queue.shadows) > 0  # the sample saw reuse
+
+
+@pytest.mark.parametrize("ghost_factor", [2, 4])
+def test_a_recomputation_is_protected_only_within_the_reach_followed(ghost_factor,
+                                                                     monkeypatch):
+    """Content evicted 2.5 cache-fulls of evictions ago and computed again is protected
+    under the candidate whose ghost list reaches 4 cache-fulls back, not under 2."""
+    # Nothing is judged low-reuse, so the one-offs queue behind the probe in probation.
+    monkeypatch.setattr(SignatureReuseEstimate, "is_low_reuse", lambda self, signature: False)
+    num_blocks = 16
+    manager = make_manager(num_blocks)
+    queue = manager.block_pool.free_block_queue
+    queue.leader = CANDIDATES.index(Candidate(0.9, True, ghost_factor))
+    queue._follow(queue.current_candidate)
+    tokens = list(range(9))  # two full blocks
+    hashes = Request("probe", tokens, block_hasher=manager.block_hasher).block_hashes
+    run_prompt(manager, "x", tokens)
+    i = 0
+    while not all(h in queue.ghost for h in hashes) or (
+            queue.num_evicted - max(queue.ghost[h][0] for h in hashes) < 2.5 * num_blocks):
+        run_prompt(manager, f"one-off{i}", [10_000 * (i + 1) + t for t in range(13)])
+        i += 1
+    assert queue.num_evicted - min(queue.ghost[h][0] for h in hashes) < 3 * num_blocks
+    assert queue.current_candidate.ghost_factor == ghost_factor  # one-offs hit nothing
+    run_prompt(manager, "x again", tokens)
+    protected = {block.block_hash for block in queue.upper.get_all_free_blocks()}
+    if ghost_factor == 4:
+        assert set(hashes) <= protected
+    else:
+        assert not set(hashes) & protected
+    # Either way the recomputation was seen: the ghost entries are gone.
+    assert not any(h in queue.ghost for h in hashes)

@@ -62,8 +62,8 @@ def test_adaptive_replay_shows_the_share_it_follows(small_trace, tmp_path, capsy
     text = capsys.readouterr().out
     state = run["policy_state"]
     low_reuse = ", low-reuse content first" if state["low_reuse_first"] else ""
-    assert (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse} "
-            f"at the end") in text
+    assert (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse}, "
+            f"ghost {state['ghost_factor']}x at the end") in text
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):

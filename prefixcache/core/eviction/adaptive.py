@@ -4,11 +4,10 @@ a sample of the traffic, what each candidate would have hit.
 
 The real free queue is :class:`~prefixcache.core.eviction.TwoQueueFreeBlockQueue`'s:
 content referenced a second time (hit while free, or recomputed while its hash is in the
-ghost list of the last ``ghost_factor * num_blocks`` evictions, twice ``2q``'s reach) goes
-to a *protected* segment evicted after every
+ghost list of recent evictions) goes to a *protected* segment evicted after every
 *probation* block. In front of both is a *first* segment: blocks holding nothing (at its
 head) and, when the candidate followed says so, *low-reuse* content (at its tail). A
-candidate (:data:`CANDIDATES`) is a pair:
+candidate (:data:`CANDIDATES`) is a triple:
 
 - the cap on the protected segment, ``protected_fraction`` times the number of blocks. A
   fraction of 0 protects nothing: the queue is then ``unhashed-first`` (LRU order, empty
@@ -22,14 +21,20 @@ candidate (:data:`CANDIDATES`) is a pair:
   (:class:`~prefixcache.core.eviction.signature_reuse.SignatureReuseEstimate`: hits on
   free blocks and recomputations from the ghost list count as look-ups; counts halve
   every ``8 * num_blocks`` inserted blocks). The estimate is kept whichever candidate is
-  followed, so switching to it needs no warm-up.
+  followed, so switching to it needs no warm-up;
+- the ghost list's reach, ``ghost_factor``: a recomputation counts as a second reference
+  if its hash was evicted within the last ``ghost_factor * num_blocks`` evictions. The
+  ghost list keeps the longest reach of all candidates, each entry with the eviction
+  count at its eviction, so a switch changes the reach at once. A recomputation beyond
+  the reach followed goes to probation (it still counts for the reuse estimate).
 
 Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
-LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries, with a ghost list as many
-times their size as the real queue's is its (``ghost_factor``), fed with the hashes, among
-each finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
-sampling: a hash is always in or always out, so the shadows see a consistent miniature of
-the traffic), each told which of them the real queue judged low-reuse. A shadow counts a
+LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries, each with a ghost list
+of its candidate's reach in its own cache-fulls (``ghost_factor`` times its size), fed
+with the hashes, among each finished request's block hashes, whose last byte is below
+``256 * sample_rate`` (spatial sampling: a hash is always in or always out, so the
+shadows see a consistent miniature of the traffic), each told which of them the real
+queue judged low-reuse. A shadow counts a
 hit for a sampled hash it holds when the request comes back. Every shadow's hit count
 decays by half each time the shadows have seen ``decay_factor`` times their capacity in
 sampled hashes, so the choice follows the traffic as it changes. The queue follows the
@@ -39,14 +44,13 @@ flap). It starts at the first candidate, the design's order with empty blocks fi
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
 released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
-operations per shadow. Memory: the real queue's ghost list (``ghost_factor * num_blocks``
-hashes, each with the signature of its content when it was still unproven), two bytes and
-one slot per block, a few counters per signature, plus, per shadow, at most
-``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and ghost;
-``sample_rate * num_blocks`` is about ``shadow_entries``, and at least
-``num_blocks / 256``). A prefix-cache reset
-empties the shadows as well as the queue's marks and ghost; the learned scores, the
-reuse estimate and the choice are kept.
+operations per shadow. Memory: the real queue's ghost list (the longest reach times
+``num_blocks`` hashes, each with its eviction count and the signature of its content when
+it was still unproven), two bytes and one slot per block, a few counters per signature,
+plus, per shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks`` hashes
+(entries and ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and at
+least ``num_blocks / 256``). A prefix-cache reset empties the shadows as well as the
+queue's marks and ghost; the learned scores, the reuse estimate and the choice are kept.
 """
 
 from __future__ import annotations
@@ -73,20 +77,28 @@ class Candidate(NamedTuple):
 
     protected_fraction: float
     low_reuse_first: bool
+    #: Content recomputed while its hash was evicted within the last ``ghost_factor``
+    #: cache-fulls of evictions counts as referenced again.
+    ghost_factor: int = 4
 
     @property
     def label(self) -> str:
         return (f"{self.protected_fraction:.0%} protected"
-                + (", low-reuse first" if self.low_reuse_first else ""))
+                + (", low-reuse first" if self.low_reuse_first else "")
+                + f", ghost {self.ghost_factor}x")
 
 
 #: The orders the queue chooses among: the design's LRU order, a segmented LRU with half
-#: the blocks protected, and the LRU order and ``2q``'s (90 % protected) with low-reuse
-#: content first. ``2q``'s own order is left out: until some kind of request is judged
+#: the blocks protected, the LRU order with low-reuse content first, and ``2q``'s (90 %
+#: protected) with low-reuse content first at two reaches of the ghost list: ``2q``'s 2
+#: cache-fulls and twice that. How far back a recomputation still earns protection
+#: depends on the traffic: far, where a conversation's next turn comes after thousands
+#: of other blocks; not as far, where protecting everything seen twice would crowd out
+#: what is used next. ``2q``'s own order is left out: until some kind of request is judged
 #: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
 #: candidate costs a shadow cache fed on every request.
 CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.0, True),
-              Candidate(0.9, True))
+              Candidate(0.9, True, 2), Candidate(0.9, True, 4))
 #: The protected shares among :data:`CANDIDATES`, in order, without repeats.
 CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES))
 
@@ -103,27 +115,29 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     policy_name = "adaptive"
     summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
-    shadow_entries = 384  # entries per shadow: sample_rate = shadow_entries / num_blocks
-    # Twice ``2q``'s reach: content whose reuse comes back up to four cache-fulls after its
-    # eviction is recognised as reused. The shadows' ghosts reach as far, so a protected
-    # candidate is followed only where acting on that evidence would have hit more.
-    ghost_factor = 4
+    shadow_entries = 320  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
     reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
     candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
+
+    @property
+    def ghost_factor(self) -> int:
+        """The ghost list's reach, in cache-fulls: the longest of the candidates'."""
+        return max(candidate.ghost_factor for candidate in self.candidates)
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(blocks)
         self.first = FreeKVCacheBlockQueue(())
         super().__init__(blocks)
         num_blocks = max(1, len(blocks))
+        self.num_evicted = 0  # hashed blocks evicted so far: the ghost list's clock
         # The last byte of a hash is uniform: sample the hashes whose byte is below this.
         self.sample_threshold = max(1, min(256, round(256 * self.shadow_entries / num_blocks)))
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
         self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
-                                           c.low_reuse_first, self.ghost_factor)
+                                           c.low_reuse_first, c.ghost_factor)
                         for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
@@ -134,8 +148,9 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # while that is unproven (released, not looked up since), one list shared by the
         # blocks a request released; else None.
         self.unproven: list[list | tuple | None] = [None] * self.num_block_ids
-        # The real ghost list maps an evicted hash to its content's state when evicted.
-        self.ghost: OrderedDict[BlockHash, list | tuple | None] = OrderedDict()
+        # The real ghost list maps an evicted hash to when it was evicted (num_evicted
+        # then) and its content's state at that time.
+        self.ghost: OrderedDict[BlockHash, tuple[int, list | tuple | None]] = OrderedDict()
         self.leader = 0
         self._follow(self.candidates[0])
 
@@ -154,6 +169,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     def _follow(self, candidate: Candidate) -> None:
         self.low_reuse_first_followed = candidate.low_reuse_first
         self.max_protected = int(candidate.protected_fraction * self.num_blocks)
+        self.followed_reach = candidate.ghost_factor * self.num_blocks
         self._protect([])  # demotes whatever the new cap leaves over to probation
 
     # -- what the pool calls --------------------------------------------------------------
@@ -177,12 +193,15 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         else:
             popped = self._take_lower_then_upper(n)
         is_reused, unproven, ghost = self.is_reused, self.unproven, self.ghost
+        num_evicted = self.num_evicted
         for block in popped:
             block_id = block.block_id
             is_reused[block_id] = 0
             if block.block_hash is not None:  # about to be evicted by the pool
-                ghost[block.block_hash] = unproven[block_id]
+                ghost[block.block_hash] = (num_evicted, unproven[block_id])
+                num_evicted += 1
             unproven[block_id] = _NEW
+        self.num_evicted = num_evicted
         for _ in range(len(ghost) - self.max_ghost):
             ghost.popitem(last=False)
         return popped
@@ -230,11 +249,14 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
                 if finished:
                     unproven[block_id] = None
             elif block_hash in ghost:
-                evicted_state = ghost.pop(block_hash)
+                evicted_at, evicted_state = ghost.pop(block_hash)
                 if evicted_state:  # unproven new content, wanted again after its eviction
                     self.reuse.credit(*evicted_state)
-                is_reused[block_id] = 1
-                protected.append(block)
+                if self.num_evicted - evicted_at < self.followed_reach:
+                    is_reused[block_id] = 1
+                    protected.append(block)
+                else:  # wanted again, but further back than the order followed trusts
+                    lower.append(block)
                 if finished:
                     unproven[block_id] = None
             else:
@@ -325,6 +347,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         total = sum(scores.values())
         return {"protected_fraction": self.current_protected_fraction,
                 "low_reuse_first": self.evicts_low_reuse_first,
+                "ghost_factor": self.current_candidate.ghost_factor,
                 "candidate_hit_shares": {
                     candidate.label: round(hits / total, 4) if total else 0.0
                     for candidate, hits in scores.items()}}
