@@ -76,7 +76,8 @@ def infinite_cache_hit_rate(prepared: PreparedTrace, timeline: bool = False) -> 
 class SweepResult:
     """Curves over ``capacities`` (in blocks): ``policy_to_hit_rates[p][i]`` is policy ``p``
     at ``capacities[i]``; ``belady_hit_rates`` likewise (empty when not computed);
-    ``runs`` holds every replay's full figures."""
+    ``runs`` holds every replay's full figures; ``working_set_blocks`` is the trace's
+    (:func:`working_set_blocks`, 0 when not known)."""
 
     capacities: list[int]
     policies: list[str]

@@ -34,13 +34,13 @@ of its candidate's reach in its own cache-fulls (``ghost_factor`` times its size
 with the hashes, among each finished request's block hashes, whose last byte is below
 ``256 * sample_rate`` (spatial sampling: a hash is always in or always out, so the
 shadows see a consistent miniature of the traffic), each told which of them the real
-queue judged low-reuse. A shadow counts a
-hit for a sampled hash it holds when the request comes back. Every shadow's hit count
-decays by half each time the shadows have seen ``decay_factor`` times their capacity in
-sampled hashes, so the choice follows the traffic as it changes. The queue follows the
-candidate with the most decayed hits, but leaves the current one only for a candidate
-ahead by more than ``switch_margin`` of its count (noise in the sample must not make it
-flap). It starts at the first candidate, the design's order with empty blocks first.
+queue judged low-reuse. A shadow counts a hit for a sampled hash it holds when the
+request comes back. Every shadow's hit count decays by half each time the shadows have
+seen ``decay_factor`` times their capacity in sampled hashes, so the choice follows the
+traffic as it changes. The queue follows the candidate with the most decayed hits, but
+leaves the current one only for a candidate ahead by more than ``switch_margin`` of its
+count (noise in the sample must not make it flap). It starts at the first candidate, the
+design's order with empty blocks first.
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
 released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
