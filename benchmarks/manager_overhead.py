@@ -42,6 +42,8 @@ PROMPT_LEN = 1536
 SHARED_PREFIX_LEN = 1024
 NUM_DECODE_STEPS = 32
 MAX_LIVE = 16
+# Blocks a request fills that no earlier request holds: its own prompt tail and its decode.
+NEW_BLOCKS_PER_REQUEST = (PROMPT_LEN - SHARED_PREFIX_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
 VOCAB = 50_000
 OPS = ("create_and_hash", "get_computed_blocks", "allocate_prompt", "decode_step", "free",
        "lifecycle")
@@ -221,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy-warmup", type=int, default=None,
                         help="requests each policy runs untimed before its --requests "
                              "timed ones (default: a quarter of --policy-num-blocks; a "
-                             "request of this workload takes 34 new blocks, so that is "
-                             "8.5 pool-fulls: the longest ghost list, 4 pool-fulls of "
-                             "hashes, is full by then)")
+                             f"request of this workload takes {NEW_BLOCKS_PER_REQUEST} new "
+                             f"blocks, so that is {NEW_BLOCKS_PER_REQUEST / 4:g} pool-fulls: "
+                             "the longest ghost list, 4 pool-fulls of hashes, is full by "
+                             "then)")
     args = parser.parse_args(argv)
     if args.policy_warmup is None:
         args.policy_warmup = args.policy_num_blocks // 4
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     min_blocks = (MAX_LIVE + 1) * (PROMPT_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
     if args.policy_num_blocks < min_blocks:
         parser.error(f"--policy-num-blocks must be at least {min_blocks} for this workload")
-    unknown = [p for p in args.policies.split(",") if p not in EVICTION_POLICIES]
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown:
         parser.error(f"unknown eviction policies {', '.join(unknown)}; choose from "
                      f"{', '.join(EVICTION_POLICIES)}")
@@ -283,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "warmup_requests": args.policy_warmup,
                                      "timed_requests": args.requests},
         "eviction_policies": eviction_policy_comparison(
-            make_prompts(args.policy_warmup + args.requests), args.repeats,
-            args.policies.split(","), args.policy_warmup, args.policy_num_blocks),
+            make_prompts(args.policy_warmup + args.requests), args.repeats, policies,
+            args.policy_warmup, args.policy_num_blocks),
         "results": results,
     }
     print(json.dumps(report, indent=1))
