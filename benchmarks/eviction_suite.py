@@ -25,6 +25,7 @@ points below LRU), and the left-out trace's figures under it are reported
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
         [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
+        [--random-traces N] [--random-families chat,rag,...]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
@@ -34,6 +35,13 @@ be measured by separate processes; ``--split-trace N`` measures that trace as ``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
 of it what was seen on the whole; ``--combine`` then merges their outputs into one, with
 the summary and the leave-one-out check over all of them.
+
+``--random-traces N`` adds ``N`` traces no policy was tuned on: the families of
+``--random-families`` in turn, each with parameters drawn at random around its defaults
+(:mod:`prefixcache.sim.workloads.random_parameters`; the draws depend only on ``--seed``),
+named ``random-01-chat`` and so on, each reported with its parameters; the summary then
+counts, over them, the traces where ``adaptive`` falls more than 0.2 points below LRU and
+those where it closes a quarter of the widest gap (``random_traces``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import dataclasses
 import datetime
 import json
 import platform
+import random
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -54,6 +64,7 @@ from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
 from prefixcache.sim.trace import Trace, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
+from prefixcache.sim.workloads.random_parameters import random_parameters
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
     / "synthetic_trace.jsonl"
@@ -201,11 +212,56 @@ def add_summary(output: dict) -> None:
                "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
                "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
         for name, t in traces.items()}
+    random_traces = [t for t in traces.values() if "parameters" in t]
+    if random_traces:
+        output["random_traces"] = random_traces_summary(random_traces)
     variants = [REGISTERED, *[v for v in output["lofo_variants"] if v != REGISTERED]]
     if len(variants) > 1 and len(traces) > 1:
         output["leave_one_out"] = leave_one_out(
             {variant: {name: t["adaptive_by_variant"][variant]
                        for name, t in traces.items()} for variant in variants})
+
+
+def random_traces_summary(traces: list[dict]) -> dict:
+    """Over the random traces: how many there are, how many have ``adaptive`` more than
+    the tolerance below LRU somewhere on the sweep, its least margin over LRU, and how
+    much of the widest gap it closes (median, and how many traces reach a quarter)."""
+    closed = [t["widest_gap"]["adaptive_fraction_of_gap_closed"] or 0.0 for t in traces]
+    margins = [t["min_adaptive_minus_lru_points"] for t in traces]
+    return {"num_traces": len(traces),
+            "num_below_lru_by_more_than_tolerance": sum(
+                margin < -LOFO_TOLERANCE_POINTS for margin in margins),
+            "least_adaptive_minus_lru_points": min(margins),
+            "median_fraction_of_widest_gap_closed": round(statistics.median(closed), 4),
+            "num_closing_a_quarter_of_widest_gap": sum(share >= 0.25 for share in closed)}
+
+
+def random_trace_specs(num_traces: int, families: list[str],
+                       seed: int) -> list[tuple[str, str, int, dict]]:
+    """``num_traces`` (name, family, generator seed, parameters): the families in turn,
+    each with parameters drawn at random; a function of the arguments only."""
+    rng = random.Random(f"random-traces:{seed}")
+    specs = []
+    for index in range(num_traces):
+        family = families[index % len(families)]
+        params = random_parameters(WORKLOAD_FAMILIES[family], rng)
+        specs.append((f"random-{index + 1:02d}-{family}", family, rng.randrange(2**32),
+                      params))
+    return specs
+
+
+def measure_family(family: str, seed: int, num_requests: int, params: dict, tmp: str,
+                   fractions: tuple[float, ...], policies: list[str],
+                   lofo_variants: list[str], name: str) -> dict:
+    """Generate a family's trace (Mooncake format, in ``tmp``) and evaluate it."""
+    path = Path(tmp) / f"{name}.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests(family, seed, num_requests, **params), handle,
+                    "mooncake", seed)
+    result = evaluate(load_trace(path), fractions, policies, lofo_variants)
+    path.unlink()
+    print(f"{name}: done", file=sys.stderr)
+    return result
 
 
 def combine(paths: list[Path]) -> int:
@@ -241,11 +297,27 @@ def main() -> int:
         v for v in ADAPTIVE_VARIANTS if v != REGISTERED),
         help="adaptive's variants for the leave-one-trace-out check, among "
              f"{', '.join(ADAPTIVE_VARIANTS)} ('' to skip)")
+    parser.add_argument("--random-traces", type=int, default=0, metavar="N",
+                        help="also measure N traces of the --random-families in turn, "
+                             "with parameters drawn at random around their defaults "
+                             "(default 0)")
+    parser.add_argument("--random-families", default=",".join(WORKLOAD_FAMILIES),
+                        help="families of the random traces (default: all)")
     args = parser.parse_args()
     if args.combine:
         return combine(args.combine)
     if args.split_trace < 1:
         parser.error("--split-trace must be at least 1")
+    if args.num_requests < 1 or args.random_traces < 0:
+        parser.error("--num-requests must be at least 1, --random-traces at least 0")
+    families = [f for f in args.families.split(",") if f]
+    random_families = [f for f in args.random_families.split(",") if f]
+    unknown_families = [f for f in families + random_families if f not in WORKLOAD_FAMILIES]
+    if unknown_families:
+        parser.error(f"unknown family {', '.join(unknown_families)}; choose among "
+                     f"{', '.join(WORKLOAD_FAMILIES)}")
+    if args.random_traces and not random_families:
+        parser.error("--random-traces needs at least one of --random-families")
     if args.trace and Path(args.trace) != DEFAULT_TRACE and not Path(args.trace).is_file():
         parser.error(f"--trace {args.trace}: no such file")
     if args.shadow_entries is not None:
@@ -261,13 +333,14 @@ def main() -> int:
                      f"{', '.join(ADAPTIVE_VARIANTS)}")
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in filter(None, args.families.split(",")):
-            path = Path(tmp) / f"{family}.jsonl"
-            with path.open("w") as handle:
-                write_trace(generate_requests(family, args.seed, args.num_requests), handle,
-                            "mooncake", args.seed)
-            traces[family] = evaluate(load_trace(path), fractions, policies, lofo_variants)
-            print(f"{family}: done", file=sys.stderr)
+        for family in families:
+            traces[family] = measure_family(family, args.seed, args.num_requests, {}, tmp,
+                                            fractions, policies, lofo_variants, family)
+        for name, family, seed, params in random_trace_specs(
+                args.random_traces, random_families, args.seed):
+            traces[name] = {"family": family, "seed": seed, "parameters": params,
+                            **measure_family(family, seed, args.num_requests, params, tmp,
+                                             fractions, policies, lofo_variants, name)}
     if args.trace and Path(args.trace).exists():
         shared = load_trace(Path(args.trace))
         name = trace_name(Path(args.trace))
