@@ -39,7 +39,8 @@ the summary and the leave-one-out check over all of them.
 ``--random-traces N`` adds ``N`` traces no policy was tuned on: the families of
 ``--random-families`` in turn, each with parameters drawn at random around its defaults
 (:mod:`prefixcache.sim.workloads.random_parameters`; the draws depend only on ``--seed``),
-named ``random-01-chat`` and so on, each reported with its parameters; the summary then
+named ``random-01-chat`` and so on, each reported with its parameters and generator seed
+(``prefixcache synth`` writes it again from them); the summary then
 counts, over them, the traces where ``adaptive`` falls more than 0.2 points below LRU and
 those where it closes a quarter of the widest gap (``random_traces``).
 """
@@ -250,10 +251,11 @@ def random_trace_specs(num_traces: int, families: list[str],
     return specs
 
 
-def measure_family(family: str, seed: int, num_requests: int, params: dict, tmp: str,
-                   fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str], name: str) -> dict:
-    """Generate a family's trace (Mooncake format, in ``tmp``) and evaluate it."""
+def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
+                   tmp: str, fractions: tuple[float, ...], policies: list[str],
+                   lofo_variants: list[str]) -> dict:
+    """Generate a family's trace (Mooncake format, as ``name`` in ``tmp``) and evaluate
+    it."""
     path = Path(tmp) / f"{name}.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests(family, seed, num_requests, **params), handle,
@@ -334,13 +336,13 @@ def main() -> int:
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
-            traces[family] = measure_family(family, args.seed, args.num_requests, {}, tmp,
-                                            fractions, policies, lofo_variants, family)
+            traces[family] = measure_family(family, family, args.seed, args.num_requests,
+                                            {}, tmp, fractions, policies, lofo_variants)
         for name, family, seed, params in random_trace_specs(
                 args.random_traces, random_families, args.seed):
             traces[name] = {"family": family, "seed": seed, "parameters": params,
-                            **measure_family(family, seed, args.num_requests, params, tmp,
-                                             fractions, policies, lofo_variants, name)}
+                            **measure_family(name, family, seed, args.num_requests, params,
+                                             tmp, fractions, policies, lofo_variants)}
     if args.trace and Path(args.trace).exists():
         shared = load_trace(Path(args.trace))
         name = trace_name(Path(args.trace))
