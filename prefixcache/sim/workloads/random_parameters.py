@@ -16,8 +16,9 @@ SHAPE_RANGES: dict[str, tuple[float, float]] = {
     "follow_up_probability": (0.05, 0.6),
     "share_concentration": (0.05, 0.6),
 }
-#: Parameters kept at their defaults: caps and spreads that keep the generator's requests
-#: within what a server accepts, not properties of the traffic.
+#: Parameters kept at their defaults: the caps on turns and context length, which stand for
+#: the served model's limits rather than for the traffic, and the spreads of log-normal
+#: draws, whose medians the other parameters already vary.
 KEPT_PARAMETERS = frozenset({"max_turns", "max_context_tokens", "first_message_sigma",
                              "think_time_sigma"})
 #: Every other positive number (a size, a count, a rate or a time) is its default times a
@@ -32,6 +33,7 @@ def random_parameters(workload_class: type, rng: random.Random) -> dict[str, int
     token lengths stay whole numbers of at least 1. The same ``rng`` state gives the same
     parameters."""
     params: dict[str, int | float] = {}
+    log_range = math.log(SCALE_RANGE)
     for field in dataclasses.fields(workload_class):
         default = field.default
         if field.name in SHAPE_RANGES:
@@ -41,7 +43,6 @@ def random_parameters(workload_class: type, rng: random.Random) -> dict[str, int
               or not isinstance(default, int | float) or default <= 0):
             continue
         else:
-            log_range = math.log(SCALE_RANGE)
             value = default * math.exp(rng.uniform(-log_range, log_range))
             params[field.name] = (max(1, round(value)) if isinstance(default, int)
                                   else round(value, 3))
