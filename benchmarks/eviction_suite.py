@@ -41,8 +41,9 @@ the summary and the leave-one-out check over all of them.
 (:mod:`prefixcache.sim.workloads.random_parameters`; the draws depend only on ``--seed``),
 named ``random-01-chat`` and so on, each reported with its parameters and generator seed
 (``prefixcache synth`` writes it again from them); the summary then
-counts, over them, the traces where ``adaptive`` falls more than 0.2 points below LRU and
-those where it closes a quarter of the widest gap (``random_traces``).
+counts, over them and for every online policy replayed, the traces where it falls more
+than 0.2 points below LRU and those where it closes a quarter of the widest gap
+(``random_traces``).
 """
 
 from __future__ import annotations
@@ -111,16 +112,16 @@ def split_in_time(requests: list, num_parts: int) -> list[list]:
     return [requests[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
-def adaptive_figures(lru: list[float], belady: list[float], adaptive: list[float]) -> dict:
-    """At the widest LRU->Belady gap, the share ``adaptive`` closes; and its least
-    difference to LRU over the sweep, in points."""
+def gap_figures(lru: list[float], belady: list[float], rates: list[float]) -> dict:
+    """At the widest LRU->Belady gap, the share a policy with hit ``rates`` closes; and
+    its least difference to LRU over the sweep, in points."""
     gaps = [b - a for a, b in zip(lru, belady, strict=True)]
     widest = max(range(len(gaps)), key=gaps.__getitem__)
     return {
-        "fraction_of_gap_closed": round((adaptive[widest] - lru[widest]) / gaps[widest], 4)
+        "fraction_of_gap_closed": round((rates[widest] - lru[widest]) / gaps[widest], 4)
         if gaps[widest] > 0 else None,
         "min_minus_lru_points": round(
-            100 * min(a - b for a, b in zip(adaptive, lru, strict=True)), 3),
+            100 * min(a - b for a, b in zip(rates, lru, strict=True)), 3),
     }
 
 
@@ -198,7 +199,7 @@ def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
         "adaptive_over_lru_replay_time": round(seconds["adaptive"] / seconds["lru"], 2),
         "adaptive_by_variant": {
             variant: {"hit_rates": [round(r, 5) for r in rates],
-                      **adaptive_figures(lru, belady, rates)}
+                      **gap_figures(lru, belady, rates)}
             for variant, rates in variant_to_rates.items()},
     }
 
@@ -224,17 +225,23 @@ def add_summary(output: dict) -> None:
 
 
 def random_traces_summary(traces: list[dict]) -> dict:
-    """Over the random traces: how many there are, how many have ``adaptive`` more than
-    the tolerance below LRU somewhere on the sweep, its least margin over LRU, and how
-    much of the widest gap it closes (median, and how many traces reach a quarter)."""
-    closed = [t["widest_gap"]["adaptive_fraction_of_gap_closed"] or 0.0 for t in traces]
-    margins = [t["min_adaptive_minus_lru_points"] for t in traces]
-    return {"num_traces": len(traces),
+    """Over the random traces, for every online policy replayed: on how many it falls more
+    than the tolerance below LRU somewhere on the sweep, its least margin over LRU, and
+    how much of the widest gap it closes (median, and on how many traces a quarter)."""
+    policies = [p for p in traces[0]["policy_hit_rates"] if p != "lru"]
+    by_policy = {}
+    for policy in policies:
+        figures = [gap_figures(t["policy_hit_rates"]["lru"], t["belady_hit_rates"],
+                                    t["policy_hit_rates"][policy]) for t in traces]
+        closed = [f["fraction_of_gap_closed"] or 0.0 for f in figures]
+        margins = [f["min_minus_lru_points"] for f in figures]
+        by_policy[policy] = {
             "num_below_lru_by_more_than_tolerance": sum(
                 margin < -LOFO_TOLERANCE_POINTS for margin in margins),
-            "least_adaptive_minus_lru_points": min(margins),
+            "least_minus_lru_points": min(margins),
             "median_fraction_of_widest_gap_closed": round(statistics.median(closed), 4),
             "num_closing_a_quarter_of_widest_gap": sum(share >= 0.25 for share in closed)}
+    return {"num_traces": len(traces), "by_policy": by_policy}
 
 
 def random_trace_specs(num_traces: int, families: list[str],
