@@ -232,7 +232,7 @@ def random_traces_summary(traces: list[dict]) -> dict:
     by_policy = {}
     for policy in policies:
         figures = [gap_figures(t["policy_hit_rates"]["lru"], t["belady_hit_rates"],
-                                    t["policy_hit_rates"][policy]) for t in traces]
+                               t["policy_hit_rates"][policy]) for t in traces]
         closed = [f["fraction_of_gap_closed"] or 0.0 for f in figures]
         margins = [f["min_minus_lru_points"] for f in figures]
         by_policy[policy] = {
