@@ -6,9 +6,17 @@ request of silence. An exponential wait has a median 0.69 times its mean. For ea
 this prints the wait's shape (a document is the prompt's first block id; the wait is the
 number of requests between two of its requests, counted over the whole trace) and, at
 2, 5, 10 and 20 % of the working set (block size 512, sequential replay), the token hit
-rates of ``lru``, ``unhashed-first``, ``document-liveness`` and a diagnostic copy of it
-whose clock advances ``--clock-scale`` times the fitted rate per request, so that
-silence counts for more than the model says. The copy is a measurement, not a policy.
+rates of ``lru``, ``unhashed-first``, ``document-liveness`` and two diagnostic copies of
+it, measurements rather than policies:
+
+- ``faster-clock``: its clock advances ``--clock-scale`` times the fitted rate per
+  request, so that silence counts for more than the model says;
+- ``median-wait-clock``: after each refit its clock advances at ``ln 2 / m`` per request,
+  ``m`` an online estimate of the median wait of a document asked about again: the
+  Kaplan-Meier estimate over the model's states (waits still open count as censored)
+  of the wait by which half of the fitted share of documents asked again, ``p / 2``,
+  have been. A one-rate wait with the median of the observed ones, rather than the
+  mean the fit follows.
 
 Traces: the shared Mooncake trace, and the three random traces of ``python
 benchmarks/eviction_suite.py --random-traces 30`` (seed 1, 3,000 requests each) on which
@@ -46,7 +54,11 @@ SHARED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "moonca
 BLOCK_SIZE = 512
 FRACTIONS = (0.02, 0.05, 0.10, 0.20)
 POLICIES = ("lru", "unhashed-first", "document-liveness")
-DIAGNOSTIC = "document-liveness-faster-clock"
+FASTER_CLOCK = "faster-clock"
+MEDIAN_WAIT_CLOCK = "median-wait-clock"
+#: Completed waits the median-wait clock needs before it replaces the fitted rate: fewer
+#: say little about their median.
+MIN_COMPLETED_WAITS = 20
 #: name -> (family, generator seed, number of requests, parameters), as
 #: ``eviction_suite.py`` reports them.
 RANDOM_TRACES = {
@@ -93,11 +105,61 @@ class FasterClockModel(DocumentLivenessModel):
 class FasterClockQueue(DocumentLivenessFreeBlockQueue):
     """``document-liveness`` with a :class:`FasterClockModel` of ``clock_scale``."""
 
-    policy_name = DIAGNOSTIC
+    policy_name = FASTER_CLOCK
     clock_scale = 4.0
 
     def __init__(self, blocks) -> None:
         super().__init__(blocks, model=FasterClockModel(self.clock_scale))
+
+
+def median_wait_of_returning(durations: list[tuple[int, bool]], share_returning: float,
+                             ) -> int | None:
+    """Kaplan-Meier over ``(duration, returned)`` pairs (a wait that has not ended is
+    censored at its length so far): the first duration by which ``share_returning / 2``
+    of all waits have ended, the median wait of those that end; None if none is."""
+    durations = sorted(durations)
+    at_risk, survival, target = len(durations), 1.0, share_returning / 2
+    i = 0
+    while i < len(durations):
+        duration, ended, leaving = durations[i][0], 0, 0
+        while i < len(durations) and durations[i][0] == duration:
+            ended += durations[i][1]
+            leaving += 1
+            i += 1
+        survival *= 1.0 - ended / at_risk
+        at_risk -= leaving
+        if 1.0 - survival >= target:
+            return duration
+    return None
+
+
+class MedianWaitClockModel(DocumentLivenessModel):
+    """The model, with its clock advanced after each refit at ``ln 2 / m`` per request,
+    ``m`` the median wait of :func:`median_wait_of_returning` over the states the model
+    keeps (read from its private lists: this is a measurement of the model, not an
+    extension of it)."""
+
+    def _fit(self) -> None:
+        super()._fit()
+        now = self.now
+        durations = [(continued_at - start, True) if continued_at >= 0
+                     else (now - start, False)
+                     for start, continued_at in zip(self._state_start,
+                                                    self._state_continued_at, strict=True)]
+        if sum(returned for _, returned in durations) < MIN_COMPLETED_WAITS:
+            return
+        median = median_wait_of_returning(durations, self.overall_p)
+        if median is not None:
+            self.rate = math.log(2) / max(median, 1)
+
+
+class MedianWaitClockQueue(DocumentLivenessFreeBlockQueue):
+    """``document-liveness`` with a :class:`MedianWaitClockModel`."""
+
+    policy_name = MEDIAN_WAIT_CLOCK
+
+    def __init__(self, blocks) -> None:
+        super().__init__(blocks, model=MedianWaitClockModel())
 
 
 def wait_shape(trace: Trace) -> dict:
@@ -120,7 +182,8 @@ def measure(trace: Trace) -> dict:
     prepared = prepare_trace(trace, TraceExpander(BLOCK_SIZE))
     working_set = working_set_blocks(prepared)
     capacities = [max(1, round(fraction * working_set)) for fraction in FRACTIONS]
-    result = sweep(prepared, capacities, [*POLICIES, DIAGNOSTIC], with_belady=False)
+    result = sweep(prepared, capacities, [*POLICIES, FASTER_CLOCK, MEDIAN_WAIT_CLOCK],
+                   with_belady=False)
     return {"wait": wait_shape(trace), "working_set_blocks": working_set,
             "hit_rate_percent": {
                 str(blocks): {policy: round(100 * rates[i], 2)
@@ -149,7 +212,9 @@ def main() -> int:
     if not (args.clock_scale > 0 and math.isfinite(args.clock_scale)):
         parser.error("--clock-scale must be a finite number > 0")
     FasterClockQueue.clock_scale = args.clock_scale
-    EVICTION_POLICIES[DIAGNOSTIC] = FasterClockQueue
+    diagnostics = (FasterClockQueue, MedianWaitClockQueue)
+    for queue in diagnostics:
+        EVICTION_POLICIES[queue.policy_name] = queue
     try:
         traces = {"shared": load_trace(SHARED_TRACE)}
         with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +225,8 @@ def main() -> int:
                   "block_size": BLOCK_SIZE, "clock_scale": args.clock_scale,
                   "traces": {name: measure(trace) for name, trace in traces.items()}}
     finally:
-        del EVICTION_POLICIES[DIAGNOSTIC]
+        for queue in diagnostics:
+            del EVICTION_POLICIES[queue.policy_name]
     json.dump(output, sys.stdout, indent=1)
     print()
     return 0
