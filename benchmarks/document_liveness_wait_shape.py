@@ -12,11 +12,11 @@ it, measurements rather than policies:
 - ``faster-clock``: its clock advances ``--clock-scale`` times the fitted rate per
   request, so that silence counts for more than the model says;
 - ``median-wait-clock``: after each refit its clock advances at ``ln 2 / m`` per request,
-  ``m`` an online estimate of the median wait of a document asked about again: the
-  Kaplan-Meier estimate over the model's states (waits still open count as censored)
-  of the wait by which half of the fitted share of documents asked again, ``p / 2``,
-  have been. A one-rate wait with the median of the observed ones, rather than the
-  mean the fit follows.
+  ``m`` an online estimate of the median wait of the documents asked about again: by
+  Kaplan-Meier over the model's states (a wait still open is censored), the wait by
+  which a share ``p / 2`` of all waits has ended, ``p`` the fitted chance of another
+  request. That is a one-rate wait with the median of the observed ones, rather than
+  the mean the fit follows.
 
 Traces: the shared Mooncake trace, and the three random traces of ``python
 benchmarks/eviction_suite.py --random-traces 30`` (seed 1, 3,000 requests each) on which
