@@ -112,11 +112,12 @@ class FasterClockQueue(DocumentLivenessFreeBlockQueue):
         super().__init__(blocks, model=FasterClockModel(self.clock_scale))
 
 
-def median_wait_of_returning(durations: list[tuple[int, bool]], share_returning: float,
-                             ) -> int | None:
+def median_wait_of_returning(durations: list[tuple[int, bool]],
+                             share_returning: float) -> int | None:
     """Kaplan-Meier over ``(duration, returned)`` pairs (a wait that has not ended is
     censored at its length so far): the first duration by which ``share_returning / 2``
-    of all waits have ended, the median wait of those that end; None if none is."""
+    of all waits have ended, which is the median wait of those that end; None if the
+    estimate never reaches that share."""
     durations = sorted(durations)
     at_risk, survival, target = len(durations), 1.0, share_returning / 2
     i = 0
@@ -179,6 +180,7 @@ def wait_shape(trace: Trace) -> dict:
 
 
 def measure(trace: Trace) -> dict:
+    """The trace's wait shape, and every policy's hit rate at each of :data:`FRACTIONS`."""
     prepared = prepare_trace(trace, TraceExpander(BLOCK_SIZE))
     working_set = working_set_blocks(prepared)
     capacities = [max(1, round(fraction * working_set)) for fraction in FRACTIONS]
