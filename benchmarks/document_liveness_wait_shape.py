@@ -11,12 +11,10 @@ it, measurements rather than policies:
 
 - ``faster-clock``: its clock advances ``--clock-scale`` times the fitted rate per
   request, so that silence counts for more than the model says;
-- ``median-wait-clock``: after each refit its clock advances at ``ln 2 / m`` per request,
-  ``m`` an online estimate of the median wait of the documents asked about again: by
-  Kaplan-Meier over the model's states (a wait still open is censored), the wait by
-  which a share ``p / 2`` of all waits has ended, ``p`` the fitted chance of another
-  request. That is a one-rate wait with the median of the observed ones, rather than
-  the mean the fit follows.
+- ``shape-scaled-clock``: after each refit the fitted rate is multiplied by
+  ``ln 2 * mean / median`` (at least 1) of the waits that have ended among the model's
+  states: how far the observed wait is from one rate, which has ``median = ln 2 * mean``.
+  It uses only what the policy has seen.
 
 Traces: the shared Mooncake trace, and the three random traces of ``python
 benchmarks/eviction_suite.py --random-traces 30`` (seed 1, 3,000 requests each) on which
@@ -55,9 +53,9 @@ BLOCK_SIZE = 512
 FRACTIONS = (0.02, 0.05, 0.10, 0.20)
 POLICIES = ("lru", "unhashed-first", "document-liveness")
 FASTER_CLOCK = "faster-clock"
-MEDIAN_WAIT_CLOCK = "median-wait-clock"
-#: Completed waits the median-wait clock needs before it replaces the fitted rate: fewer
-#: say little about their median.
+SHAPE_SCALED_CLOCK = "shape-scaled-clock"
+#: Ended waits the shape-scaled clock needs before it scales the fitted rate: fewer say
+#: little about their shape.
 MIN_COMPLETED_WAITS = 20
 #: name -> (family, generator seed, number of requests, parameters), as
 #: ``eviction_suite.py`` reports them.
@@ -112,55 +110,30 @@ class FasterClockQueue(DocumentLivenessFreeBlockQueue):
         super().__init__(blocks, model=FasterClockModel(self.clock_scale))
 
 
-def median_wait_of_returning(durations: list[tuple[int, bool]],
-                             share_returning: float) -> int | None:
-    """Kaplan-Meier over ``(duration, returned)`` pairs (a wait that has not ended is
-    censored at its length so far): the first duration by which ``share_returning / 2``
-    of all waits have ended, which is the median wait of those that end; None if the
-    estimate never reaches that share."""
-    durations = sorted(durations)
-    at_risk, survival, target = len(durations), 1.0, share_returning / 2
-    i = 0
-    while i < len(durations):
-        duration, ended, leaving = durations[i][0], 0, 0
-        while i < len(durations) and durations[i][0] == duration:
-            ended += durations[i][1]
-            leaving += 1
-            i += 1
-        survival *= 1.0 - ended / at_risk
-        at_risk -= leaving
-        if 1.0 - survival >= target:
-            return duration
-    return None
-
-
-class MedianWaitClockModel(DocumentLivenessModel):
-    """The model, with its clock advanced after each refit at ``ln 2 / m`` per request,
-    ``m`` the median wait of :func:`median_wait_of_returning` over the states the model
-    keeps (read from its private lists: this is a measurement of the model, not an
-    extension of it)."""
+class ShapeScaledClockModel(DocumentLivenessModel):
+    """The model, with the rate it fits multiplied after each refit by ``ln 2 * mean /
+    median`` (at least 1) of the waits that have ended among the states it keeps (read
+    from its private lists: this is a measurement of the model, not an extension of it).
+    """
 
     def _fit(self) -> None:
         super()._fit()
-        now = self.now
-        durations = [(continued_at - start, True) if continued_at >= 0
-                     else (now - start, False)
-                     for start, continued_at in zip(self._state_start,
-                                                    self._state_continued_at, strict=True)]
-        if sum(returned for _, returned in durations) < MIN_COMPLETED_WAITS:
-            return
-        median = median_wait_of_returning(durations, self.overall_p)
-        if median is not None:
-            self.rate = math.log(2) / max(median, 1)
+        waits = [continued_at - start
+                 for start, continued_at in zip(self._state_start,
+                                                self._state_continued_at, strict=True)
+                 if continued_at >= 0]
+        if len(waits) >= MIN_COMPLETED_WAITS:
+            shape = math.log(2) * statistics.fmean(waits) / max(statistics.median(waits), 1)
+            self.rate *= max(1.0, shape)
 
 
-class MedianWaitClockQueue(DocumentLivenessFreeBlockQueue):
-    """``document-liveness`` with a :class:`MedianWaitClockModel`."""
+class ShapeScaledClockQueue(DocumentLivenessFreeBlockQueue):
+    """``document-liveness`` with a :class:`ShapeScaledClockModel`."""
 
-    policy_name = MEDIAN_WAIT_CLOCK
+    policy_name = SHAPE_SCALED_CLOCK
 
     def __init__(self, blocks) -> None:
-        super().__init__(blocks, model=MedianWaitClockModel())
+        super().__init__(blocks, model=ShapeScaledClockModel())
 
 
 def wait_shape(trace: Trace) -> dict:
@@ -184,7 +157,7 @@ def measure(trace: Trace) -> dict:
     prepared = prepare_trace(trace, TraceExpander(BLOCK_SIZE))
     working_set = working_set_blocks(prepared)
     capacities = [max(1, round(fraction * working_set)) for fraction in FRACTIONS]
-    result = sweep(prepared, capacities, [*POLICIES, FASTER_CLOCK, MEDIAN_WAIT_CLOCK],
+    result = sweep(prepared, capacities, [*POLICIES, FASTER_CLOCK, SHAPE_SCALED_CLOCK],
                    with_belady=False)
     return {"wait": wait_shape(trace), "working_set_blocks": working_set,
             "hit_rate_percent": {
@@ -214,7 +187,7 @@ def main() -> int:
     if not (args.clock_scale > 0 and math.isfinite(args.clock_scale)):
         parser.error("--clock-scale must be a finite number > 0")
     FasterClockQueue.clock_scale = args.clock_scale
-    diagnostics = (FasterClockQueue, MedianWaitClockQueue)
+    diagnostics = (FasterClockQueue, ShapeScaledClockQueue)
     for queue in diagnostics:
         EVICTION_POLICIES[queue.policy_name] = queue
     try:
