@@ -1,27 +1,26 @@
-"""Why ``document-liveness`` falls below LRU on some traffic: its wait model. Prints JSON.
+"""What the wait's shape does to ``document-liveness``. Prints JSON.
 
-The policy's model gives a live document's next request one rate per request (an
-exponential wait), fitted online, and a block's standing falls by that rate with every
-request of silence. An exponential wait has a median 0.69 times its mean. For each trace,
-this prints the wait's shape (a document is the prompt's first block id; the wait is the
-number of requests between two of its requests, counted over the whole trace) and, at
-2, 5, 10 and 20 % of the working set (block size 512, sequential replay), the token hit
-rates of ``lru``, ``unhashed-first``, ``document-liveness`` and two diagnostic copies of
-it, measurements rather than policies:
+The policy's model fits one rate per request at which a live document's next request
+comes (an exponential wait, whose median is ``ln 2`` times its mean), and its clock, by
+which silence lowers a block's standing, runs that rate times the wait's shape:
+``ln 2 * mean / median`` (at least 1) of the waits that have ended among the model's
+states. For each trace, this prints the wait's shape over the whole trace (a document is
+the prompt's first block id; the wait is the number of requests between two of its
+requests) and, at 2, 5, 10 and 20 % of the working set (block size 512, sequential
+replay), the token hit rates of ``lru``, ``unhashed-first``, ``document-liveness`` and two
+diagnostic copies of it, measurements rather than policies:
 
-- ``faster-clock``: its clock advances ``--clock-scale`` times the fitted rate per
-  request, so that silence counts for more than the model says;
-- ``shape-scaled-clock``: after each refit the fitted rate is multiplied by
-  ``ln 2 * mean / median`` (at least 1) of the waits that have ended among the model's
-  states: how far the observed wait is from one rate, which has ``median = ln 2 * mean``.
-  It uses only what the policy has seen.
+- ``one-rate-clock``: its clock runs at the fitted rate alone (``follow_wait_shape=False``),
+  as the policy did before it followed the wait's shape;
+- ``faster-clock``: that one-rate clock times ``--clock-scale``, one fixed factor for
+  every trace.
 
 Traces: the shared Mooncake trace, and the three random traces of ``python
 benchmarks/eviction_suite.py --random-traces 30`` (seed 1, 3,000 requests each) on which
-``document-liveness`` is more than 0.2 points below LRU, regenerated from their
-generator seeds and parameters; with ``--long-chat``, also the two of its
-``--random-traces 8 --random-families chat --num-requests 12000 --seed 2`` where it is
-(several minutes more).
+the one-rate policy was more than 0.2 points below LRU, regenerated from their generator
+seeds and parameters; with ``--long-chat``, also the two of its ``--random-traces 8
+--random-families chat --num-requests 12000 --seed 2`` where it was (several minutes
+more).
 
     python benchmarks/document_liveness_wait_shape.py [--clock-scale 4] [--long-chat]
 """
@@ -52,11 +51,8 @@ SHARED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "moonca
 BLOCK_SIZE = 512
 FRACTIONS = (0.02, 0.05, 0.10, 0.20)
 POLICIES = ("lru", "unhashed-first", "document-liveness")
+ONE_RATE_CLOCK = "one-rate-clock"
 FASTER_CLOCK = "faster-clock"
-SHAPE_SCALED_CLOCK = "shape-scaled-clock"
-#: Ended waits the shape-scaled clock needs before it scales the fitted rate: fewer say
-#: little about their shape.
-MIN_COMPLETED_WAITS = 20
 #: name -> (family, generator seed, number of requests, parameters), as
 #: ``eviction_suite.py`` reports them.
 RANDOM_TRACES = {
@@ -88,16 +84,26 @@ LONG_CHAT_TRACES = {
 }
 
 
+class OneRateClockQueue(DocumentLivenessFreeBlockQueue):
+    """``document-liveness`` whose clock runs at the fitted rate alone."""
+
+    policy_name = ONE_RATE_CLOCK
+
+    def __init__(self, blocks) -> None:
+        super().__init__(blocks, model=DocumentLivenessModel(follow_wait_shape=False))
+
+
 class FasterClockModel(DocumentLivenessModel):
-    """The model, with its clock advanced ``scale`` times the fitted rate per request."""
+    """The one-rate model, its clock advanced ``scale`` times the fitted rate per
+    request."""
 
     def __init__(self, scale: float) -> None:
-        super().__init__()
+        super().__init__(follow_wait_shape=False)
         self.scale = scale
 
     def tick(self) -> None:
         super().tick()
-        self.clock += (self.scale - 1.0) * self.rate
+        self.clock += (self.scale - 1.0) * self.clock_rate
 
 
 class FasterClockQueue(DocumentLivenessFreeBlockQueue):
@@ -108,32 +114,6 @@ class FasterClockQueue(DocumentLivenessFreeBlockQueue):
 
     def __init__(self, blocks) -> None:
         super().__init__(blocks, model=FasterClockModel(self.clock_scale))
-
-
-class ShapeScaledClockModel(DocumentLivenessModel):
-    """The model, with the rate it fits multiplied after each refit by ``ln 2 * mean /
-    median`` (at least 1) of the waits that have ended among the states it keeps (read
-    from its private lists: this is a measurement of the model, not an extension of it).
-    """
-
-    def _fit(self) -> None:
-        super()._fit()
-        waits = [continued_at - start
-                 for start, continued_at in zip(self._state_start,
-                                                self._state_continued_at, strict=True)
-                 if continued_at >= 0]
-        if len(waits) >= MIN_COMPLETED_WAITS:
-            shape = math.log(2) * statistics.fmean(waits) / max(statistics.median(waits), 1)
-            self.rate *= max(1.0, shape)
-
-
-class ShapeScaledClockQueue(DocumentLivenessFreeBlockQueue):
-    """``document-liveness`` with a :class:`ShapeScaledClockModel`."""
-
-    policy_name = SHAPE_SCALED_CLOCK
-
-    def __init__(self, blocks) -> None:
-        super().__init__(blocks, model=ShapeScaledClockModel())
 
 
 def wait_shape(trace: Trace) -> dict:
@@ -157,7 +137,7 @@ def measure(trace: Trace) -> dict:
     prepared = prepare_trace(trace, TraceExpander(BLOCK_SIZE))
     working_set = working_set_blocks(prepared)
     capacities = [max(1, round(fraction * working_set)) for fraction in FRACTIONS]
-    result = sweep(prepared, capacities, [*POLICIES, FASTER_CLOCK, SHAPE_SCALED_CLOCK],
+    result = sweep(prepared, capacities, [*POLICIES, ONE_RATE_CLOCK, FASTER_CLOCK],
                    with_belady=False)
     return {"wait": wait_shape(trace), "working_set_blocks": working_set,
             "hit_rate_percent": {
@@ -179,7 +159,7 @@ def synthetic_trace(family: str, seed: int, num_requests: int, params: dict,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clock-scale", type=float, default=4.0,
-                        help="how many times the fitted rate the diagnostic copy's clock "
+                        help="how many times the fitted rate the faster-clock copy's clock "
                              "advances per request (default 4)")
     parser.add_argument("--long-chat", action="store_true",
                         help="also measure the two long chat traces (12,000 requests)")
@@ -187,7 +167,7 @@ def main() -> int:
     if not (args.clock_scale > 0 and math.isfinite(args.clock_scale)):
         parser.error("--clock-scale must be a finite number > 0")
     FasterClockQueue.clock_scale = args.clock_scale
-    diagnostics = (FasterClockQueue, ShapeScaledClockQueue)
+    diagnostics = (OneRateClockQueue, FasterClockQueue)
     for queue in diagnostics:
         EVICTION_POLICIES[queue.policy_name] = queue
     try:

@@ -92,7 +92,7 @@ def format_document_liveness(state: dict) -> str:
     lines = [f"document-liveness: chance a document is asked about again (overall "
              f"{100 * state['overall_continuation_probability']:.1f} %; a live document's "
              f"next request comes every ~{state['requests_between_a_documents_requests']:,.0f}"
-             f" requests)",
+             f" requests; silence counts {state['clock_over_fitted_rate']:.2f}x that rate)",
              f"{'after':>6}  {'class':<30}  {'states':>7}  {'continued':>9}  {'estimate':>8}"]
     for row in state["classes"]:
         kind, bits = row["class"]

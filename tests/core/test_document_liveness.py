@@ -3,7 +3,10 @@ the queue evicts by that — dead-looking documents and question tails first."""
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
+import statistics
 
 import pytest
 
@@ -11,6 +14,7 @@ from prefixcache.core import KVCacheBlock, Request
 from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.core.eviction.document_liveness_model import (
     KEPT_TAIL_HASHES,
+    MIN_ENDED_WAITS,
     DocumentHistory,
     DocumentLivenessModel,
     logit,
@@ -84,6 +88,81 @@ def test_the_model_recovers_how_likely_each_kind_of_document_is_to_come_back():
     # The request rate per live document: 1 / (documents still unfinished) at the end,
     # which is much larger than at the start, when all 400 were.
     assert model.rate > 3 / 400
+
+
+def play_bursty_documents(model: DocumentLivenessModel, rng: random.Random,
+                          num_requests: int) -> list[int]:
+    """Traffic unlike one rate: a document is asked again with probability 0.9, after 3
+    requests 4 times in 5 and after 300 otherwise; a new document comes whenever none is
+    due. Returns the waits of the requests that came (counted in requests)."""
+    due: list[tuple[int, int]] = []  # (time of its next request, document index)
+    documents: list[DocumentHistory] = []
+    last_request: list[int] = []
+    waits = []
+    for now in range(1, num_requests + 1):
+        if due and due[0][0] <= now:
+            index = heapq.heappop(due)[1]
+            waits.append(now - last_request[index])
+        else:
+            index = len(documents)
+            documents.append(DocumentHistory(prompt_tokens=1000, output_tokens=10))
+            last_request.append(0)
+        document = documents[index]
+        document.num_requests += 1
+        last_request[index] = now
+        model.tick()
+        document.state_id = model.new_state(document)
+        if rng.random() < 0.9:
+            heapq.heappush(due, (now + (3 if rng.random() < 0.8 else 300), index))
+    return waits
+
+
+def test_the_clock_runs_faster_than_the_fitted_rate_by_the_waits_shape():
+    model = DocumentLivenessModel()
+    waits = play_bursty_documents(model, random.Random(2), 2000)  # fitted last at 2,000
+    # The shape of the waits that ended, computed from the traffic itself: far from an
+    # exponential's (median = ln 2 x mean), so the clock runs several times the rate.
+    shape = math.log(2) * statistics.fmean(waits) / statistics.median(waits)
+    assert shape > 5
+    assert model.wait_shape == pytest.approx(shape)
+    clock = model.clock
+    model.tick()
+    assert model.clock - clock == pytest.approx(model.rate * shape)
+
+    one_rate = DocumentLivenessModel(follow_wait_shape=False)
+    play_bursty_documents(one_rate, random.Random(2), 2000)
+    assert one_rate.wait_shape == 1.0
+    assert one_rate.rate == pytest.approx(model.rate)  # the fit itself is the same
+    clock = one_rate.clock
+    one_rate.tick()
+    assert one_rate.clock - clock == pytest.approx(one_rate.rate)
+
+
+def test_the_clock_keeps_the_fitted_rate_when_waits_have_one_rate():
+    # 50 documents live at any time; each step one of them, chosen uniformly, is asked
+    # again, and then ends with probability 0.2 (a new one takes its place): every wait
+    # is geometric with mean 50, one rate's shape, so the clock keeps the fitted rate.
+    model = DocumentLivenessModel()
+    rng = random.Random(4)
+    live = [DocumentHistory(prompt_tokens=1000, output_tokens=10) for _ in range(50)]
+    for _ in range(3000):
+        index = rng.randrange(len(live))
+        document = live[index]
+        document.num_requests += 1
+        model.tick()
+        document.state_id = model.new_state(document)
+        if rng.random() < 0.2:
+            live[index] = DocumentHistory(prompt_tokens=1000, output_tokens=10)
+    assert 1.0 <= model.wait_shape < 1.15
+
+
+def test_the_clock_follows_the_fitted_rate_until_enough_waits_have_ended():
+    model = DocumentLivenessModel(refit_every=5)
+    waits = play_bursty_documents(model, random.Random(3), MIN_ENDED_WAITS)
+    assert model.num_fits > 0 and 0 < len(waits) < MIN_ENDED_WAITS  # the first is new
+    assert model.wait_shape == 1.0
+    play_bursty_documents(model, random.Random(3), 1000)  # long waits end too
+    assert model.wait_shape > 1.0
 
 
 def test_memory_stays_bounded():

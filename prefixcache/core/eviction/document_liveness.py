@@ -123,11 +123,13 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
 
     def policy_state(self) -> dict:
         """The model's overall continuation chance, the mean number of requests between
-        an alive document's requests, and :meth:`DocumentLivenessModel.class_estimates`."""
+        an alive document's requests, how many times faster than that rate its clock runs
+        (the wait's shape), and :meth:`DocumentLivenessModel.class_estimates`."""
         model = self.model
         return {
             "overall_continuation_probability": model.overall_p,
             "requests_between_a_documents_requests": 1.0 / model.rate,
+            "clock_over_fitted_rate": model.wait_shape,
             "classes": model.class_estimates(),
         }
 

@@ -12,8 +12,14 @@ or nothing yet. The model, fitted online:
   and ``min(k, max_count)``. Each estimate is shrunk towards its coarser class (first
   request or later one, then the first feature alone).
 - An alive document's next request arrives at the same rate ``h(t)`` per request as any
-  other's; the rate drifts, so it is fitted per bin of ``hazard_bin`` releases. ``H`` is
-  its integral, the *clock*.
+  other's; the rate drifts, so it is fitted per bin of ``hazard_bin`` releases.
+- The *clock* ``H``, by which a document's silence lowers its standing, advances by the
+  latest fitted rate per request, times the wait's *shape* when that is above 1: ``ln 2 *
+  mean / median`` of the waits (in requests) that have ended among the states kept, once
+  there are :data:`MIN_ENDED_WAITS`. One rate means an exponential wait, whose median is
+  ``ln 2`` times its mean; where most next requests come soon and a long tail sets the
+  mean, a fitted rate counts the first requests of silence for too little, and a short
+  silence already says much of what a long one does.
 - ``r(d)``: the share of blocks at depth class ``d`` that a document's next request
   shared, ``d`` being the bit length of the block's distance in tokens from its prompt's
   end (so classes mean the same at any block size), capped at ``max_depth_bits``.
@@ -22,14 +28,21 @@ or nothing yet. The model, fitted online:
 finished requests, over at most the last ``max_states`` states (cut back to half when
 full): a state that continued has weight 1; one still waiting counts with its posterior
 chance of being alive, ``p·S / (p·S + 1 - p)`` with ``S = exp(-(H(now) - H(start)))``;
-the rate per bin is continuations over alive exposure. Plain Python, as the whole core.
+the rate per bin is continuations over alive exposure; the shape is taken after each fit.
+Plain Python, as the whole core.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from prefixcache.core.hashing import BlockHash
+
+#: Ended waits the clock needs before it follows their shape: fewer say little about it.
+MIN_ENDED_WAITS = 20
+#: An exponential wait's median over its mean: the shape one fitted rate assumes.
+EXPONENTIAL_MEDIAN_OVER_MEAN = math.log(2)
 
 
 def logit(p: float) -> float:
@@ -83,13 +96,16 @@ class DocumentLivenessModel:
     ``em_iterations`` per fit, ``prior_weight`` of the coarser class in each estimate,
     ``hazard_bin`` releases per rate bin, ``max_count`` where the request count stops
     splitting classes, ``max_depth_bits`` where depth classes merge, ``max_states``
-    states kept. ``num_fits`` counts the fits, so a caller can tell when estimates moved.
+    states kept; ``follow_wait_shape=False`` makes the clock advance by the fitted rate
+    alone (one rate: an exponential wait). ``num_fits`` counts the fits, so a caller can
+    tell when estimates moved; ``rate`` is the latest fitted rate, ``wait_shape`` the
+    factor the clock applies to it (1 until it has :data:`MIN_ENDED_WAITS` ended waits).
     """
 
     def __init__(self, *, refit_every: int = 25, em_iterations: int = 4,
                  prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
                  max_depth_bits: int = 12, max_states: int = 5_000,
-                 initial_rate: float = 0.002) -> None:
+                 initial_rate: float = 0.002, follow_wait_shape: bool = True) -> None:
         for name, value, smallest in (("refit_every", refit_every, 1),
                                       ("em_iterations", em_iterations, 1),
                                       ("hazard_bin", hazard_bin, 1),
@@ -108,10 +124,13 @@ class DocumentLivenessModel:
         self.max_count = max_count
         self.max_depth_bits = max_depth_bits
         self.max_states = max_states
+        self.follow_wait_shape = follow_wait_shape
         self.num_fits = 0
         self.now = 0
-        self.clock = 0.0  # H(now), advanced by the latest fitted rate at every tick
+        self.clock = 0.0  # H(now), advanced by clock_rate at every tick
         self.rate = initial_rate
+        self.wait_shape = 1.0
+        self.clock_rate = initial_rate  # rate * wait_shape
         self.overall_p = 0.5  # the root class's estimate
         # Classes: three levels, each class with an id and its parent's id one level up.
         self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
@@ -163,7 +182,7 @@ class DocumentLivenessModel:
     def tick(self) -> None:
         """A request finished: time and the clock move on."""
         self.now += 1
-        self.clock += self.rate
+        self.clock += self.clock_rate
 
     def new_state(self, document: DocumentHistory) -> int:
         """``document`` just had a request (``num_requests`` already counted): close its
@@ -304,6 +323,19 @@ class DocumentLivenessModel:
         elapsed_in_last = now - (now // width) * width
         latest = num_bins - 1 if elapsed_in_last >= width / 2 or num_bins == 1 else num_bins - 2
         self.rate = rates[latest]
+        if self.follow_wait_shape:
+            self.wait_shape = self._ended_wait_shape()
+        self.clock_rate = self.rate * self.wait_shape
+
+    def _ended_wait_shape(self) -> float:
+        """``ln 2 * mean / median`` of the ended waits among the states kept, at least 1;
+        1 while fewer than :data:`MIN_ENDED_WAITS` have ended."""
+        waits = [at - start for start, at in zip(self._state_start, self._state_continued_at,
+                                                 strict=True) if at >= 0]
+        if len(waits) < MIN_ENDED_WAITS:
+            return 1.0
+        median = max(statistics.median(waits), 1)
+        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * statistics.fmean(waits) / median)
 
     def class_estimates(self) -> list[dict]:
         """Per middle-level class (after a first request, by tokens it generated; after a
