@@ -335,7 +335,8 @@ class DocumentLivenessModel:
         if len(waits) < MIN_ENDED_WAITS:
             return 1.0
         median = max(statistics.median(waits), 1)
-        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * statistics.fmean(waits) / median)
+        mean = sum(waits) / len(waits)  # exact: the waits are integers
+        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * mean / median)
 
     def class_estimates(self) -> list[dict]:
         """Per middle-level class (after a first request, by tokens it generated; after a
