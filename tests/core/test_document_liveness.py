@@ -158,8 +158,9 @@ def test_the_clock_keeps_the_fitted_rate_when_waits_have_one_rate():
 
 def test_the_clock_follows_the_fitted_rate_until_enough_waits_have_ended():
     model = DocumentLivenessModel(refit_every=5)
+    # As many requests as the waits needed: the first has no wait before it.
     waits = play_bursty_documents(model, random.Random(3), MIN_ENDED_WAITS)
-    assert model.num_fits > 0 and 0 < len(waits) < MIN_ENDED_WAITS  # the first is new
+    assert model.num_fits > 0 and 0 < len(waits) < MIN_ENDED_WAITS
     assert model.wait_shape == 1.0
     play_bursty_documents(model, random.Random(3), 1000)  # long waits end too
     assert model.wait_shape > 1.0
