@@ -103,7 +103,7 @@ class FasterClockModel(DocumentLivenessModel):
 
     def tick(self) -> None:
         super().tick()
-        self.clock += (self.scale - 1.0) * self.clock_rate
+        self.clock += (self.scale - 1.0) * self.rate  # its wait_shape stays 1
 
 
 class FasterClockQueue(DocumentLivenessFreeBlockQueue):

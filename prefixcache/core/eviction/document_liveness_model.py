@@ -127,10 +127,9 @@ class DocumentLivenessModel:
         self.follow_wait_shape = follow_wait_shape
         self.num_fits = 0
         self.now = 0
-        self.clock = 0.0  # H(now), advanced by clock_rate at every tick
+        self.clock = 0.0  # H(now), advanced by rate * wait_shape at every tick
         self.rate = initial_rate
         self.wait_shape = 1.0
-        self.clock_rate = initial_rate  # rate * wait_shape
         self.overall_p = 0.5  # the root class's estimate
         # Classes: three levels, each class with an id and its parent's id one level up.
         self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
@@ -182,7 +181,7 @@ class DocumentLivenessModel:
     def tick(self) -> None:
         """A request finished: time and the clock move on."""
         self.now += 1
-        self.clock += self.clock_rate
+        self.clock += self.rate * self.wait_shape
 
     def new_state(self, document: DocumentHistory) -> int:
         """``document`` just had a request (``num_requests`` already counted): close its
@@ -325,7 +324,6 @@ class DocumentLivenessModel:
         self.rate = rates[latest]
         if self.follow_wait_shape:
             self.wait_shape = self._ended_wait_shape()
-        self.clock_rate = self.rate * self.wait_shape
 
     def _ended_wait_shape(self) -> float:
         """``ln 2 * mean / median`` of the ended waits among the states kept, at least 1;
