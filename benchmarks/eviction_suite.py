@@ -25,7 +25,7 @@ points below LRU), and the left-out trace's figures under it are reported
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
         [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
-        [--random-traces N] [--random-families chat,rag,...]
+        [--random-traces N] [--random-families chat,rag,...] [--candidates-alone]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
@@ -35,6 +35,13 @@ be measured by separate processes; ``--split-trace N`` measures that trace as ``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
 of it what was seen on the whole; ``--combine`` then merges their outputs into one, with
 the summary and the leave-one-out check over all of them.
+
+``--candidates-alone`` also replays each of ``adaptive``'s candidate orders followed
+alone from the start (``adaptive`` restricted to that one candidate), and reports per
+trace the best of them at the widest gap and how far ``adaptive`` falls short of the best
+one at any capacity (``candidates_alone``, ``best_candidate_alone``): whether what
+``adaptive`` leaves of a gap is lost in choosing among its candidates or lies beyond all
+of them.
 
 ``--random-traces N`` adds ``N`` traces no policy was tuned on: the families of
 ``--random-families`` in turn, each with parameters drawn at random around its defaults
@@ -143,40 +150,79 @@ def leave_one_out(per_value: dict[str, dict[str, dict]]) -> dict:
     return report
 
 
+def candidate_alone_overrides() -> dict[str, dict]:
+    """Per candidate of ``adaptive`` (by label), the class attributes that make it follow
+    that candidate alone."""
+    return {candidate.label: {"candidates": (candidate,)} for candidate in CANDIDATES}
+
+
+def best_candidate_figures(capacities: list[int], lru: list[float], belady: list[float],
+                           adaptive: list[float],
+                           candidate_rates: dict[str, list[float]]) -> dict:
+    """At the widest LRU->Belady gap, the candidate followed alone that hits most and the
+    share of the gap it closes; and over the sweep, the most ``adaptive`` falls short of
+    the best candidate at the same capacity (points; 0 if it never does) and at which
+    capacity (None if it never does)."""
+    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
+    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    best = max(candidate_rates, key=lambda label: candidate_rates[label][widest])
+    best_rates = [max(rates[i] for rates in candidate_rates.values())
+                  for i in range(len(lru))]
+    shortfalls = [b - a for a, b in zip(adaptive, best_rates, strict=True)]
+    worst = max(range(len(shortfalls)), key=shortfalls.__getitem__)
+    return {
+        "candidate": best,
+        "fraction_of_gap_closed": round(
+            (candidate_rates[best][widest] - lru[widest]) / gaps[widest], 4)
+        if gaps[widest] > 0 else None,
+        "max_adaptive_shortfall_points": round(100 * max(0.0, shortfalls[worst]), 3),
+        "max_adaptive_shortfall_at_blocks": capacities[worst] if shortfalls[worst] > 0
+        else None,
+    }
+
+
+def sweep_adaptive_with(prepared, capacities: list[int], overrides: dict) -> list[float]:
+    """``adaptive``'s hit rates over ``capacities`` with its class attributes
+    ``overrides`` set for the replays (and restored after)."""
+    adaptive_class = EVICTION_POLICIES["adaptive"]
+    saved = {name: getattr(adaptive_class, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(adaptive_class, name, value)
+    try:
+        return sweep(prepared, capacities, ["adaptive"],
+                     with_belady=False).policy_to_hit_rates["adaptive"]
+    finally:
+        for name, value in saved.items():
+            setattr(adaptive_class, name, value)
+
+
 def trace_name(path: Path) -> str:
     """``shared`` for the shared Mooncake trace, else the file's name without extension."""
     return "shared" if path.resolve() == DEFAULT_TRACE else path.stem
 
 
 def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
-             lofo_variants: list[str]) -> dict:
+             lofo_variants: list[str], candidates_alone: bool = False) -> dict:
     prepared = prepare_trace(trace, TraceExpander(512))
     working_set = working_set_blocks(prepared)
     capacities = capacities_from_spec(fractions, working_set)
     result = sweep(prepared, capacities, policies)
-    adaptive_class = EVICTION_POLICIES["adaptive"]
     variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
     for variant in lofo_variants:
-        if variant in variant_to_rates:
-            continue
-        overrides = ADAPTIVE_VARIANTS[variant]
-        saved = {name: getattr(adaptive_class, name) for name in overrides}
-        for name, value in overrides.items():
-            setattr(adaptive_class, name, value)
-        try:
-            variant_to_rates[variant] = sweep(
-                prepared, capacities, ["adaptive"], with_belady=False
-            ).policy_to_hit_rates["adaptive"]
-        finally:
-            for name, value in saved.items():
-                setattr(adaptive_class, name, value)
+        if variant not in variant_to_rates:
+            variant_to_rates[variant] = sweep_adaptive_with(prepared, capacities,
+                                                            ADAPTIVE_VARIANTS[variant])
+    candidate_to_rates = {
+        label: sweep_adaptive_with(prepared, capacities, overrides)
+        for label, overrides in candidate_alone_overrides().items()
+    } if candidates_alone else {}
     rates = result.policy_to_hit_rates
     lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
     gaps = [b - a for a, b in zip(lru, belady, strict=True)]
     widest = max(range(len(gaps)), key=gaps.__getitem__)
     seconds = {p: sum(r.replay_seconds for r in result.runs if r.policy == p)
                for p in ("lru", "adaptive")}
-    return {
+    figures = {
         "num_requests": len(prepared.requests),
         "working_set_blocks": working_set,
         "capacities_blocks": capacities,
@@ -202,6 +248,14 @@ def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
                       **gap_figures(lru, belady, rates)}
             for variant, rates in variant_to_rates.items()},
     }
+    if candidate_to_rates:
+        figures["candidates_alone"] = {
+            label: {"hit_rates": [round(r, 5) for r in rates],
+                    **gap_figures(lru, belady, rates)}
+            for label, rates in candidate_to_rates.items()}
+        figures["best_candidate_alone"] = best_candidate_figures(
+            capacities, lru, belady, adaptive, candidate_to_rates)
+    return figures
 
 
 def add_summary(output: dict) -> None:
@@ -212,7 +266,9 @@ def add_summary(output: dict) -> None:
         name: {"adaptive_fraction_of_widest_gap_closed":
                t["widest_gap"]["adaptive_fraction_of_gap_closed"],
                "min_adaptive_minus_lru_points": t["min_adaptive_minus_lru_points"],
-               "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"]}
+               "adaptive_over_lru_replay_time": t["adaptive_over_lru_replay_time"],
+               **({"best_candidate_alone": t["best_candidate_alone"]}
+                  if "best_candidate_alone" in t else {})}
         for name, t in traces.items()}
     random_traces = [t for t in traces.values() if "parameters" in t]
     if random_traces:
@@ -260,14 +316,14 @@ def random_trace_specs(num_traces: int, families: list[str],
 
 def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
                    tmp: str, fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str]) -> dict:
+                   lofo_variants: list[str], candidates_alone: bool) -> dict:
     """Generate a family's trace (Mooncake format, as ``name`` in ``tmp``) and evaluate
     it."""
     path = Path(tmp) / f"{name}.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests(family, seed, num_requests, **params), handle,
                     "mooncake", seed)
-    result = evaluate(load_trace(path), fractions, policies, lofo_variants)
+    result = evaluate(load_trace(path), fractions, policies, lofo_variants, candidates_alone)
     path.unlink()
     print(f"{name}: done", file=sys.stderr)
     return result
@@ -312,6 +368,9 @@ def main() -> int:
                              "(default 0)")
     parser.add_argument("--random-families", default=",".join(WORKLOAD_FAMILIES),
                         help="families of the random traces (default: all)")
+    parser.add_argument("--candidates-alone", action="store_true",
+                        help="also replay each of adaptive's candidate orders followed "
+                             "alone, and report the best of them against adaptive")
     args = parser.parse_args()
     if args.combine:
         return combine(args.combine)
@@ -344,22 +403,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             traces[family] = measure_family(family, family, args.seed, args.num_requests,
-                                            {}, tmp, fractions, policies, lofo_variants)
+                                            {}, tmp, fractions, policies, lofo_variants,
+                                            args.candidates_alone)
         for name, family, seed, params in random_trace_specs(
                 args.random_traces, random_families, args.seed):
             traces[name] = {"family": family, "seed": seed, "parameters": params,
                             **measure_family(name, family, seed, args.num_requests, params,
-                                             tmp, fractions, policies, lofo_variants)}
+                                             tmp, fractions, policies, lofo_variants,
+                                             args.candidates_alone)}
     if args.trace and Path(args.trace).exists():
         shared = load_trace(Path(args.trace))
         name = trace_name(Path(args.trace))
         if args.split_trace == 1:
-            traces[name] = evaluate(shared, fractions, policies, lofo_variants)
+            traces[name] = evaluate(shared, fractions, policies, lofo_variants,
+                                    args.candidates_alone)
         for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1):
             if args.split_trace > 1:
                 traces[f"{name}-{part}/{args.split_trace}"] = evaluate(
                     dataclasses.replace(shared, requests=requests), fractions, policies,
-                    lofo_variants)
+                    lofo_variants, args.candidates_alone)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -369,6 +431,7 @@ def main() -> int:
         "capacity_fractions_of_working_set": fractions,
         "adaptive_shadow_entries": EVICTION_POLICIES["adaptive"].shadow_entries,
         "lofo_variants": lofo_variants,
+        "candidates_alone": args.candidates_alone,
         "traces": traces,
     }
     add_summary(output)

@@ -1,0 +1,83 @@
+"""The suite benchmark's check of ``adaptive`` against its candidate orders followed alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.eviction_suite import (
+    QUICK_FRACTIONS,
+    best_candidate_figures,
+    evaluate,
+    sweep_adaptive_with,
+)
+from prefixcache.core import EVICTION_POLICIES
+from prefixcache.core.eviction.adaptive import CANDIDATES, AdaptiveFreeBlockQueue
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.sweep import sweep
+from prefixcache.sim.trace import load_trace
+from prefixcache.sim.workloads import generate_requests, write_trace
+
+
+def test_best_candidate_at_the_widest_gap_and_adaptive_shortfall():
+    capacities = [10, 20, 40]
+    lru, belady = [0.10, 0.20, 0.30], [0.30, 0.50, 0.40]  # gap widest at 20 blocks
+    candidates = {"a": [0.15, 0.26, 0.30], "b": [0.12, 0.29, 0.36]}
+    adaptive = [0.15, 0.27, 0.33]
+    figures = best_candidate_figures(capacities, lru, belady, adaptive, candidates)
+    assert figures["candidate"] == "b"
+    assert figures["fraction_of_gap_closed"] == pytest.approx(0.3)
+    # Short of the best candidate by 2 points at 20 blocks and 3 at 40: the most is 3.
+    assert figures["max_adaptive_shortfall_points"] == pytest.approx(3.0)
+    assert figures["max_adaptive_shortfall_at_blocks"] == 40
+
+
+def test_no_shortfall_when_adaptive_is_never_below_the_best_candidate():
+    figures = best_candidate_figures([10, 20], [0.1, 0.2], [0.5, 0.5], [0.3, 0.4],
+                                     {"a": [0.3, 0.35], "b": [0.2, 0.4]})
+    assert figures["max_adaptive_shortfall_points"] == 0.0
+    assert figures["max_adaptive_shortfall_at_blocks"] is None
+
+
+@pytest.fixture(scope="module")
+def chat_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("suite") / "chat.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests("chat", 3, 250), handle, "mooncake", 3)
+    return load_trace(path)
+
+
+def test_a_candidate_alone_is_adaptive_that_never_switches(chat_trace):
+    prepared = prepare_trace(chat_trace, TraceExpander(512))
+    candidate = CANDIDATES[-1]
+    followed = []
+
+    class Recording(AdaptiveFreeBlockQueue):
+        def _follow(self, candidate):
+            followed.append(candidate)
+            super()._follow(candidate)
+
+    EVICTION_POLICIES["adaptive"] = Recording
+    try:
+        sweep_adaptive_with(prepared, [20, 60], {"candidates": (candidate,)})
+        assert set(followed) == {candidate}
+        assert Recording.candidates == CANDIDATES  # the override is undone
+        followed.clear()
+        sweep(prepared, [20, 60], ["adaptive"], with_belady=False)
+        assert len(set(followed)) > 1  # the registered candidates: it does switch here
+    finally:
+        EVICTION_POLICIES["adaptive"] = AdaptiveFreeBlockQueue
+
+
+def test_suite_reports_every_candidate_alone_and_the_best(chat_trace):
+    figures = evaluate(chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"], [],
+                       candidates_alone=True)
+    alone = figures["candidates_alone"]
+    assert list(alone) == [candidate.label for candidate in CANDIDATES]
+    best = figures["best_candidate_alone"]
+    assert best["fraction_of_gap_closed"] == max(
+        entry["fraction_of_gap_closed"] for entry in alone.values())
+    assert alone[best["candidate"]]["fraction_of_gap_closed"] == best["fraction_of_gap_closed"]
+    assert AdaptiveFreeBlockQueue.candidates == CANDIDATES
+    assert "candidates_alone" not in evaluate(chat_trace, QUICK_FRACTIONS,
+                                              ["lru", "adaptive"], [])
