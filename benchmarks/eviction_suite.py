@@ -69,7 +69,7 @@ from pathlib import Path
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.sim.expand import TraceExpander
-from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
 from prefixcache.sim.trace import Trace, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
@@ -181,7 +181,8 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
     }
 
 
-def sweep_adaptive_with(prepared, capacities: list[int], overrides: dict) -> list[float]:
+def sweep_adaptive_with(prepared: PreparedTrace, capacities: list[int],
+                        overrides: dict) -> list[float]:
     """``adaptive``'s hit rates over ``capacities`` with its class attributes
     ``overrides`` set for the replays (and restored after)."""
     adaptive_class = EVICTION_POLICIES["adaptive"]
