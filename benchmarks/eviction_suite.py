@@ -119,11 +119,17 @@ def split_in_time(requests: list, num_parts: int) -> list[list]:
     return [requests[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
+def gaps_and_widest(lru: list[float], belady: list[float]) -> tuple[list[float], int]:
+    """The LRU->Belady gap at each capacity, and the index of the widest (the first of
+    equals)."""
+    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
+    return gaps, max(range(len(gaps)), key=gaps.__getitem__)
+
+
 def gap_figures(lru: list[float], belady: list[float], rates: list[float]) -> dict:
     """At the widest LRU->Belady gap, the share a policy with hit ``rates`` closes; and
     its least difference to LRU over the sweep, in points."""
-    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
-    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    gaps, widest = gaps_and_widest(lru, belady)
     return {
         "fraction_of_gap_closed": round((rates[widest] - lru[widest]) / gaps[widest], 4)
         if gaps[widest] > 0 else None,
@@ -163,8 +169,7 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
     share of the gap it closes; and over the sweep, the most ``adaptive`` falls short of
     the best candidate at the same capacity (points; 0 if it never does) and at which
     capacity (None if it never does)."""
-    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
-    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    gaps, widest = gaps_and_widest(lru, belady)
     best = max(candidate_rates, key=lambda label: candidate_rates[label][widest])
     best_rates = [max(rates[i] for rates in candidate_rates.values())
                   for i in range(len(lru))]
@@ -219,8 +224,7 @@ def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
     } if candidates_alone else {}
     rates = result.policy_to_hit_rates
     lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
-    gaps = [b - a for a, b in zip(lru, belady, strict=True)]
-    widest = max(range(len(gaps)), key=gaps.__getitem__)
+    gaps, widest = gaps_and_widest(lru, belady)
     seconds = {p: sum(r.replay_seconds for r in result.runs if r.policy == p)
                for p in ("lru", "adaptive")}
     figures = {
