@@ -120,7 +120,13 @@ class LLMEngine:
         # Outputs decided outside a step (aborts) are delivered by the next step().
         self._pending_outputs: list[RequestOutput] = []
         # The counters, kept up to date where they happen; get_stats adds the gauges.
-        self._stats = EngineStats(num_kv_blocks=self.num_kv_blocks)
+        self._stats = EngineStats(num_kv_blocks=self.num_kv_blocks, cache_config_info=(
+            # vLLM's label names, where vLLM has the setting.
+            ("block_size", str(self.block_size)),
+            ("num_gpu_blocks", str(self.num_kv_blocks)),
+            ("enable_prefix_caching", str(cache_config.enable_prefix_caching)),
+            ("prefix_caching_hash_algo", cache_config.hash_algo),
+            ("eviction_policy", cache_config.eviction_policy)))
 
     @classmethod
     def from_options(cls, model: str | Path | LoadedModel | None = None,
@@ -388,6 +394,8 @@ class LLMEngine:
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_manager.usage
+        stats.eviction_candidates = tuple(
+            self.kv_cache_manager.block_pool.free_block_queue.candidate_standings())
         if self.kv_tier is not None:
             stats.add_kv_tier_stats(self.kv_tier.stats)
         return copy.copy(stats)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from prefixcache.core.eviction.base import CandidateStanding
+
 COUNTER = "counter"
 GAUGE = "gauge"
 STAT = "stat"  # the field metadata key
@@ -102,6 +104,12 @@ class EngineStats:
     kv_tier_load_seconds: float = stat(
         COUNTER, "Seconds spent loading from the KV tier (divide by kv_tier_loads for "
         "the mean load latency).", kv_tier="load_seconds", default=0.0)
+    # Not stats of their own: ``/metrics`` shows these as labelled series.
+    #: The KV cache's configuration as (label, value) pairs, vLLM's ``cache_config_info``.
+    cache_config_info: tuple[tuple[str, str], ...] = ()
+    #: The eviction policy's candidate orders, if it chooses among several online (its
+    #: free queue's ``candidate_standings()``).
+    eviction_candidates: tuple[CandidateStanding, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -111,6 +111,24 @@ def test_policy_state_is_none_or_a_dict_under_every_policy(policy):
         assert state is None
 
 
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+def test_candidate_standings_follow_exactly_one_candidate_or_are_empty(policy):
+    mgr = make_manager(num_blocks=16, block_size=4, eviction_policy=policy)
+    queue = mgr.block_pool.free_block_queue
+    for i in range(4):
+        request = Request(str(i), seq(0, 9))  # the same prompt: its blocks are hit again
+        schedule_prefill(mgr, request)
+        mgr.free(request)
+    standings = queue.candidate_standings()
+    if policy != "adaptive":
+        assert standings == []
+        return
+    assert [standing.followed for standing in standings].count(True) == 1
+    assert all(0 <= standing.share <= 1 for standing in standings)
+    assert sum(standing.share for standing in standings) == pytest.approx(1)
+    assert len({standing.label for standing in standings}) == len(standings)
+
+
 @pytest.mark.parametrize("a,b,expected", [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2),
                                           (8, 4, 2), (9, 1, 9), (511, 512, 1)])
 def test_cdiv_rounds_up(a, b, expected):

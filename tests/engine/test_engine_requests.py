@@ -153,6 +153,38 @@ def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model, eviction_polic
     assert_all_blocks_free(engine)
 
 
+def test_the_stats_name_the_cache_settings_and_the_adaptive_policys_candidates(
+        make_engine, tiny_model):
+    from prefixcache.core.eviction.adaptive import CANDIDATES
+
+    engine = make_engine(block_size=4, num_kv_blocks=24, eviction_policy="adaptive")
+    settings = dict(engine.get_stats().cache_config_info)
+    assert settings == {"block_size": "4", "num_gpu_blocks": "24",
+                        "enable_prefix_caching": "True",
+                        "prefix_caching_hash_algo": engine.cache_config.hash_algo,
+                        "eviction_policy": "adaptive"}
+    standings = engine.get_stats().eviction_candidates
+    assert [s.label for s in standings] == [c.label for c in CANDIDATES]
+    assert [s.followed for s in standings] == [True] + [False] * (len(CANDIDATES) - 1)
+    assert {s.share for s in standings} == {0.0}  # nothing seen yet
+    # Requests sharing a prefix: the shadows (which sample every hash of so small a
+    # pool) hit it, and the shares are of those hits.
+    rng = random.Random(3)
+    vocab_size = tiny_model.arch_config.vocab_size
+    shared = random_tokens(rng, 16, vocab_size)
+    for i in range(6):
+        engine.add_request(str(i), shared + random_tokens(rng, 6, vocab_size),
+                           SamplingParams(max_tokens=2))
+        run_to_completion(engine)
+    standings = engine.get_stats().eviction_candidates
+    queue = engine.kv_cache_manager.block_pool.free_block_queue
+    assert sum(s.share for s in standings) == pytest.approx(1)
+    assert [s.followed for s in standings].count(True) == 1
+    followed = next(s for s in standings if s.followed)
+    assert followed.label == queue.current_candidate.label
+    assert make_engine(block_size=4, num_kv_blocks=24).get_stats().eviction_candidates == ()
+
+
 @pytest.mark.parametrize("eviction_policy,expected_free_block_ids", [
     # The design's order: the released table, reversed, joins the tail.
     ("lru", [3, 4, 5, 6, 7, 2, 1, 0]),

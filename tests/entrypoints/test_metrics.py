@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.core.eviction.base import CandidateStanding
 from prefixcache.engine.stats import EngineStats, metric_fields
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
 
@@ -50,8 +49,8 @@ def scrape(stats: EngineStats) -> dict[str, object]:
 
 def test_every_stat_is_exposed_under_its_declared_name_kind_and_help():
     # Distinct values, so a stat read from the wrong field shows.
-    stats = EngineStats(**{field.name: index + 1
-                           for index, field in enumerate(dataclasses.fields(EngineStats))})
+    stats = EngineStats(**{name: index + 1
+                           for index, (name, _) in enumerate(metric_fields())})
     families = scrape(stats)
     # (prometheus_client adds a *_created gauge beside each histogram and labelled counter.)
     assert {name: family.type for name, family in families.items()
@@ -61,6 +60,33 @@ def test_every_stat_is_exposed_under_its_declared_name_kind_and_help():
         assert family.documentation == spec.help and spec.help.endswith(".")
         (sample,) = [s for s in family.samples if not s.name.endswith("_created")]
         assert sample.value == getattr(stats, field_name), field_name
+
+
+def test_the_cache_configuration_is_one_info_series_labelled_with_its_settings():
+    settings = (("block_size", "16"), ("num_gpu_blocks", "4096"),
+                ("enable_prefix_caching", "True"), ("prefix_caching_hash_algo", "sha256"),
+                ("eviction_policy", "adaptive"))
+    family = scrape(EngineStats(cache_config_info=settings))["prefixcache:cache_config_info"]
+    assert family.type == "gauge"
+    (sample,) = family.samples
+    assert sample.labels == dict(settings) and sample.value == 1
+    assert "prefixcache:cache_config_info" not in scrape(EngineStats())
+
+
+def test_eviction_candidates_are_one_series_each_with_their_share_and_the_one_followed():
+    candidates = (CandidateStanding("0% protected", 0.25, False),
+                  CandidateStanding("50% protected", 0.75, True))
+    families = scrape(EngineStats(eviction_candidates=candidates))
+    share = families["prefixcache:eviction_candidate_share"]
+    followed = families["prefixcache:eviction_candidate_followed"]
+    assert share.type == followed.type == "gauge"
+    assert {s.labels["candidate"]: s.value for s in share.samples} == {
+        "0% protected": 0.25, "50% protected": 0.75}
+    assert {s.labels["candidate"]: s.value for s in followed.samples} == {
+        "0% protected": 0, "50% protected": 1}
+    # A policy that follows one order has none of these series.
+    assert not {"prefixcache:eviction_candidate_share",
+                "prefixcache:eviction_candidate_followed"} & set(scrape(EngineStats()))
 
 
 def test_the_engine_stats_keep_vllms_metric_names_where_the_field_names_differ():

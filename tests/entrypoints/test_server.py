@@ -187,6 +187,17 @@ def test_metrics_counters_match_the_responses(openai_client, http):
     assert after["prefixcache:kv_cache_usage_perc"] == 0
 
 
+def test_metrics_describe_the_kv_cache_as_vllms_cache_config_info(http):
+    values = scrape(http)
+    (info,) = [name for name in values if name.startswith("prefixcache:cache_config_info{")]
+    assert values[info] == 1
+    for label in ('block_size="4"', 'num_gpu_blocks="512"', 'enable_prefix_caching="True"',
+                  'eviction_policy="lru"'):
+        assert label in info
+    # lru follows one order: no candidate series.
+    assert not [name for name in values if "eviction_candidate" in name]
+
+
 def test_reset_prefix_cache_when_idle(openai_client, http):
     prompt = unique_prompt()
     complete(openai_client, prompt)

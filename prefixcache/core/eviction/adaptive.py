@@ -60,7 +60,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction.base import FreeKVCacheBlockQueue
+from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
 from prefixcache.core.eviction.learned_reuse import output_length_signature
 from prefixcache.core.eviction.segmented import (
     TwoQueueFreeBlockQueue,
@@ -341,16 +341,22 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     def policy_state(self) -> dict:
         """The candidate followed, and each candidate's share of the shadows' decayed
-        hits (shares, not counts: the counts scale with the sample, which depends on the
-        pool's size, while the choice depends only on how they compare)."""
-        scores = self.candidate_scores()
-        total = sum(scores.values())
+        hits (:meth:`candidate_standings`)."""
         return {"protected_fraction": self.current_protected_fraction,
                 "low_reuse_first": self.evicts_low_reuse_first,
                 "ghost_factor": self.current_candidate.ghost_factor,
-                "candidate_hit_shares": {
-                    candidate.label: round(hits / total, 4) if total else 0.0
-                    for candidate, hits in scores.items()}}
+                "candidate_hit_shares": {standing.label: round(standing.share, 4)
+                                         for standing in self.candidate_standings()}}
+
+    def candidate_standings(self) -> list[CandidateStanding]:
+        """Each candidate's share of the shadows' decayed hits (shares, not counts: the
+        counts scale with the sample, which depends on the pool's size, while the choice
+        depends only on how they compare), and which one is followed."""
+        scores = [shadow.num_hits for shadow in self.shadows]
+        total = sum(scores)
+        return [CandidateStanding(candidate.label, scores[index] / total if total else 0.0,
+                                  index == self.leader)
+                for index, candidate in enumerate(self.candidates)]
 
     def candidate_scores(self) -> dict[Candidate, float]:
         """Each candidate's decayed shadow hit count."""

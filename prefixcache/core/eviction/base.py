@@ -15,12 +15,22 @@ the list operations; the pool cannot tell policies apart.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
 
 if TYPE_CHECKING:
     from prefixcache.core.request import Request
+
+
+class CandidateStanding(NamedTuple):
+    """One candidate order of a policy that chooses online among several."""
+
+    label: str
+    #: Its share (0..1) of what the policy compares candidates by (the shares sum to 1,
+    #: or are all 0 before there is any evidence).
+    share: float
+    followed: bool
 
 
 class FreeKVCacheBlockQueue:
@@ -52,6 +62,10 @@ class FreeKVCacheBlockQueue:
         Every free block, in eviction order. For tests and tools; may be O(n log n).
     ``policy_state()``
         What the policy has learned, as a JSON-able dict for reports, or None.
+    ``candidate_standings()``
+        For a policy that follows one of several candidate orders, each candidate's
+        standing now; cheap enough for the engine to read after every step (its
+        ``/metrics``). Default: none (an empty list).
 
     ``popleft``, ``append``, ``append_n`` and ``prepend_n`` are the list operations
     policies place blocks with; the pool never calls them. Invariant under every policy:
@@ -137,6 +151,12 @@ class FreeKVCacheBlockQueue:
     def policy_state(self) -> dict | None:
         """What the policy has learned, for reports; LRU learns nothing."""
         return None
+
+    def candidate_standings(self) -> list[CandidateStanding]:
+        """The candidate orders this policy chooses among, in a fixed order, with their
+        share of the evidence it chooses by and whether it follows each now; LRU follows
+        one order and chooses nothing."""
+        return []
 
     # -- the list operations policies place blocks with ---------------------------------
 

@@ -8,7 +8,12 @@ only the prefix changed. Two sources:
   snapshot (a custom collector: counters are the engine's own cumulative totals, so a
   scrape never disagrees with the engine). E.g. ``prefixcache:prefix_cache_hits_total``,
   ``prefixcache:num_requests_running``, ``prefixcache:kv_cache_usage_perc`` (a fraction,
-  like vLLM's despite the name).
+  like vLLM's despite the name); and, from the same snapshot, labelled series:
+  ``prefixcache:cache_config_info`` (vLLM's: the KV cache's settings as labels, among
+  them ``block_size``, ``num_gpu_blocks`` and our ``eviction_policy``) and, under a
+  policy that chooses its order online (``adaptive``),
+  ``prefixcache:eviction_candidate_share{candidate}`` and
+  ``prefixcache:eviction_candidate_followed{candidate}``.
 - Per-request figures the server observes as requests finish, declared in
   :class:`ServerMetrics`: ``prefixcache:time_to_first_token_seconds`` and
   ``prefixcache:e2e_request_latency_seconds`` (histograms, arrival -> first token and ->
@@ -74,6 +79,40 @@ class _StatsCollector(Collector):
             yield family
 
 
+class _EngineLabelledCollector(Collector):
+    """The engine's figures that are labelled series rather than one stat each:
+    ``cache_config_info`` (vLLM's: one series of value 1 whose labels are the KV cache's
+    settings) and, when the eviction policy chooses among candidate orders online,
+    ``eviction_candidate_share`` and ``eviction_candidate_followed`` per candidate."""
+
+    def __init__(self, read_engine: Callable[[], EngineStats]) -> None:
+        self._read_engine = read_engine
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._read_engine()
+        if stats.cache_config_info:
+            names = [name for name, _ in stats.cache_config_info]
+            info = GaugeMetricFamily(PREFIX + "cache_config_info",
+                                     "Information of the KV cache's configuration.",
+                                     labels=names)
+            info.add_metric([value for _, value in stats.cache_config_info], 1)
+            yield info
+        if stats.eviction_candidates:
+            share = GaugeMetricFamily(
+                PREFIX + "eviction_candidate_share",
+                "Each candidate order's share of what the eviction policy chooses by "
+                "(adaptive: its shadow caches' recent hits).", labels=["candidate"])
+            followed = GaugeMetricFamily(
+                PREFIX + "eviction_candidate_followed",
+                "1 for the candidate order the eviction policy follows now, else 0.",
+                labels=["candidate"])
+            for standing in stats.eviction_candidates:
+                share.add_metric([standing.label], standing.share)
+                followed.add_metric([standing.label], int(standing.followed))
+            yield share
+            yield followed
+
+
 class ServerMetrics:
     """The server's registry. ``read_engine`` returns the engine's stats snapshot
     (``AsyncLLM.get_stats``)."""
@@ -81,6 +120,7 @@ class ServerMetrics:
     def __init__(self, read_engine: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(EngineStats, read_engine))
+        self.registry.register(_EngineLabelledCollector(read_engine))
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
