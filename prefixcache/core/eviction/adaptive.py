@@ -153,6 +153,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.ghost: OrderedDict[BlockHash, tuple[int, list | tuple | None]] = OrderedDict()
         self.leader = 0
         self._follow(self.candidates[0])
+        # The engine reads the standings after every step: format the labels once.
+        self.candidate_labels = tuple(candidate.label for candidate in self.candidates)
 
     @property
     def current_candidate(self) -> Candidate:
@@ -354,9 +356,9 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         depends only on how they compare), and which one is followed."""
         scores = [shadow.num_hits for shadow in self.shadows]
         total = sum(scores)
-        return [CandidateStanding(candidate.label, scores[index] / total if total else 0.0,
+        return [CandidateStanding(label, scores[index] / total if total else 0.0,
                                   index == self.leader)
-                for index, candidate in enumerate(self.candidates)]
+                for index, label in enumerate(self.candidate_labels)]
 
     def candidate_scores(self) -> dict[Candidate, float]:
         """Each candidate's decayed shadow hit count."""
