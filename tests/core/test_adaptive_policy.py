@@ -109,8 +109,8 @@ def test_follows_the_protected_share_when_one_offs_flush_a_popular_prefix():
     adaptive_hits, manager = popular_prefix_hits("adaptive")
     queue = manager.block_pool.free_block_queue
     assert queue.current_protected_fraction > 0
-    scores = queue.candidate_scores()
-    assert scores[queue.current_candidate] > scores[CANDIDATES[0]]
+    shares = {standing.label: standing.share for standing in queue.candidate_standings()}
+    assert shares[queue.current_candidate.label] > shares[CANDIDATES[0].label]
     assert lru_hits == 0
     assert adaptive_hits > 25 * 32  # all but the first few asks hit the whole prefix
     state = queue.policy_state()

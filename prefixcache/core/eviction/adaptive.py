@@ -359,8 +359,3 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         return [CandidateStanding(label, scores[index] / total if total else 0.0,
                                   index == self.leader)
                 for index, label in enumerate(self.candidate_labels)]
-
-    def candidate_scores(self) -> dict[Candidate, float]:
-        """Each candidate's decayed shadow hit count."""
-        return {candidate: shadow.num_hits
-                for candidate, shadow in zip(self.candidates, self.shadows, strict=True)}
