@@ -169,7 +169,7 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
     share of the gap it closes; and over the sweep, the most ``adaptive`` falls short of
     the best candidate at the same capacity (points; 0 if it never does) and at which
     capacity (None if it never does)."""
-    gaps, widest = gaps_and_widest(lru, belady)
+    _, widest = gaps_and_widest(lru, belady)
     best = max(candidate_rates, key=lambda label: candidate_rates[label][widest])
     best_rates = [max(rates[i] for rates in candidate_rates.values())
                   for i in range(len(lru))]
@@ -177,9 +177,8 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
     worst = max(range(len(shortfalls)), key=shortfalls.__getitem__)
     return {
         "candidate": best,
-        "fraction_of_gap_closed": round(
-            (candidate_rates[best][widest] - lru[widest]) / gaps[widest], 4)
-        if gaps[widest] > 0 else None,
+        "fraction_of_gap_closed":
+            gap_figures(lru, belady, candidate_rates[best])["fraction_of_gap_closed"],
         "max_adaptive_shortfall_points": round(100 * max(0.0, shortfalls[worst]), 3),
         "max_adaptive_shortfall_at_blocks": capacities[worst] if shortfalls[worst] > 0
         else None,

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.core.eviction.adaptive import CANDIDATES
 from prefixcache.engine.errors import InvalidRequestError
 from prefixcache.engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_all_blocks_free, random_tokens, run_to_completion
@@ -155,8 +156,6 @@ def test_no_leaks_after_a_mixed_workload(make_engine, tiny_model, eviction_polic
 
 def test_the_stats_name_the_cache_settings_and_the_adaptive_policys_candidates(
         make_engine, tiny_model):
-    from prefixcache.core.eviction.adaptive import CANDIDATES
-
     engine = make_engine(block_size=4, num_kv_blocks=24, eviction_policy="adaptive")
     settings = dict(engine.get_stats().cache_config_info)
     assert settings == {"block_size": "4", "num_gpu_blocks": "24",
