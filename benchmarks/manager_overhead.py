@@ -7,9 +7,9 @@ append-one-token + ``allocate_slots(req, 1)``; a request is freed (FIFO) once mo
 are live. Run for every hash algorithm, with caching on and off, collision guard on and off,
 and KV events on and off. Every registered eviction policy is timed on the same workload
 (sha256, caching on) in steady state — after ``--policy-warmup`` untimed requests, once
-its ghost lists and estimates are full — its runs interleaved with LRU's so that load on a
-shared machine hits both alike, and reported as a ratio to LRU's lifecycle
-(``eviction_policies``).
+its ghost lists and estimates are full — side by side with LRU, a request at a time, so
+that load on a shared machine hits both alike, and reported as a ratio to LRU's lifecycle
+beside that of a second LRU manager, the noise floor (``eviction_policies``).
 
 For a same-run comparison point, it also times vLLM's hash input encoding (pickle of the
 ``(parent, tokens, extra)`` tuple, then SHA-256) on the same prompts against our ``sha256``
@@ -56,66 +56,86 @@ def make_prompts(num_requests: int, seed: int = 0) -> list[list[int]]:
             for _ in range(num_requests)]
 
 
+class Lifecycles:
+    """The workload on one manager, a request at a time: :meth:`serve` runs one request's
+    lifecycle and appends each operation's time, in nanoseconds, to ``samples``."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, **manager_kwargs) -> None:
+        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, **manager_kwargs)
+        self.num_blocks = num_blocks
+        self.samples: dict[str, list[int]] = {op: [] for op in OPS}
+        self.live: deque[Request] = deque()
+        self.hit_tokens = 0
+        self.failed_allocations = 0
+
+    def reset_samples(self) -> None:
+        """Forget the timings so far (not the hits): what came before was a warm-up."""
+        self.samples = {op: [] for op in OPS}
+
+    def serve(self, request_id: str, prompt: list[int]) -> None:
+        manager, samples, clock = self.manager, self.samples, time.perf_counter_ns
+        lifecycle_ns = 0
+        t0 = clock()
+        request = Request(request_id, prompt, block_hasher=manager.block_hasher)
+        t1 = clock()
+        blocks, num_hit_tokens = manager.get_computed_blocks(request)
+        t2 = clock()
+        new_blocks = manager.allocate_slots(request, PROMPT_LEN - num_hit_tokens,
+                                            num_hit_tokens, blocks)
+        t3 = clock()
+        samples["create_and_hash"].append(t1 - t0)
+        samples["get_computed_blocks"].append(t2 - t1)
+        samples["allocate_prompt"].append(t3 - t2)
+        lifecycle_ns += t3 - t0
+        if new_blocks is None:
+            self.failed_allocations += 1
+            return
+        self.hit_tokens += num_hit_tokens
+        request.num_computed_tokens = PROMPT_LEN
+        decode_samples = samples["decode_step"]
+        for step in range(NUM_DECODE_STEPS):
+            t0 = clock()
+            request.append_output_token_ids(step)
+            manager.allocate_slots(request, 1)
+            t1 = clock()
+            request.num_computed_tokens += 1
+            decode_samples.append(t1 - t0)
+            lifecycle_ns += t1 - t0
+        self.live.append(request)
+        if len(self.live) > MAX_LIVE:
+            t0 = clock()
+            manager.free(self.live.popleft())
+            t1 = clock()
+            samples["free"].append(t1 - t0)
+            lifecycle_ns += t1 - t0
+        samples["lifecycle"].append(lifecycle_ns)
+
+    def finish(self) -> None:
+        """Free the live requests; RuntimeError if any block is then still taken."""
+        while self.live:
+            self.manager.free(self.live.popleft())
+        if self.manager.num_free_blocks != self.num_blocks:
+            raise RuntimeError("blocks leaked after the workload")
+
+
 def run_workload(prompts: list[list[int]], num_untimed: int = 0, num_blocks: int = NUM_BLOCKS,
                  **manager_kwargs) -> dict:
     """One pass of the workload over a pool of ``num_blocks``; per-op timings in
-    microseconds and the hit total. The first ``num_untimed`` requests run but are not
+    nanoseconds and the hit total. The first ``num_untimed`` requests run but are not
     timed (a warm-up)."""
-    manager = KVCacheManager(num_blocks, BLOCK_SIZE, **manager_kwargs)
-    hasher = manager.block_hasher
-    samples = {op: [] for op in OPS}
-    live: deque[Request] = deque()
-    total_hit_tokens = 0
-    failed = 0
-    clock = time.perf_counter_ns
+    lifecycles = Lifecycles(num_blocks, **manager_kwargs)
     gc.disable()  # a collection mid-operation would be charged to whichever op it hit
     try:
         for i, prompt in enumerate(prompts):
-            if i == num_untimed:  # the warm-up is over: drop its timings
-                samples = {op: [] for op in OPS}
-            lifecycle_ns = 0
-            t0 = clock()
-            request = Request(f"r{i}", prompt, block_hasher=hasher)
-            t1 = clock()
-            blocks, num_hit_tokens = manager.get_computed_blocks(request)
-            t2 = clock()
-            new_blocks = manager.allocate_slots(request, PROMPT_LEN - num_hit_tokens,
-                                                num_hit_tokens, blocks)
-            t3 = clock()
-            samples["create_and_hash"].append(t1 - t0)
-            samples["get_computed_blocks"].append(t2 - t1)
-            samples["allocate_prompt"].append(t3 - t2)
-            lifecycle_ns += t3 - t0
-            if new_blocks is None:
-                failed += 1
-                continue
-            total_hit_tokens += num_hit_tokens
-            request.num_computed_tokens = PROMPT_LEN
-            decode_samples = samples["decode_step"]
-            for step in range(NUM_DECODE_STEPS):
-                t0 = clock()
-                request.append_output_token_ids(step)
-                manager.allocate_slots(request, 1)
-                t1 = clock()
-                request.num_computed_tokens += 1
-                decode_samples.append(t1 - t0)
-                lifecycle_ns += t1 - t0
-            live.append(request)
-            if len(live) > MAX_LIVE:
-                t0 = clock()
-                manager.free(live.popleft())
-                t1 = clock()
-                samples["free"].append(t1 - t0)
-                lifecycle_ns += t1 - t0
-            samples["lifecycle"].append(lifecycle_ns)
-        for request in live:
-            manager.free(request)
+            if i == num_untimed:
+                lifecycles.reset_samples()
+            lifecycles.serve(f"r{i}", prompt)
+        lifecycles.finish()
     finally:
         gc.enable()
-    if manager.num_free_blocks != num_blocks:
-        raise RuntimeError("blocks leaked after the workload")
-    return {"samples": samples, "hit_tokens": total_hit_tokens, "failed_allocations": failed,
-            "evictions": manager.block_pool.num_evictions}
+    return {"samples": lifecycles.samples, "hit_tokens": lifecycles.hit_tokens,
+            "failed_allocations": lifecycles.failed_allocations,
+            "evictions": lifecycles.manager.block_pool.num_evictions}
 
 
 def summarize(samples_ns: list[int]) -> dict:
@@ -142,34 +162,80 @@ def best_of(prompts, repeats: int, **manager_kwargs) -> dict:
     return result
 
 
+#: The name a second LRU manager is reported under: LRU against itself, the noise floor.
+LRU_CONTROL = "lru (control)"
+
+
 def eviction_policy_comparison(prompts, repeats: int, policies: list[str],
                                num_warmup: int, num_blocks: int = NUM_BLOCKS) -> dict:
-    """Each policy's lifecycle cost against LRU's, measured round-robin (every repeat runs
-    LRU and then every other policy once), over the requests after the first
+    """Each policy's lifecycle cost against LRU's, timed over the requests after the first
     ``num_warmup``: a policy's bounded history (ghost lists, shadows, estimates) fills
     only after many evictions, and its cost until then is not what a long-running server
-    pays. ``over_lru`` compares each policy's least disturbed run with LRU's;
-    ``over_lru_median`` is the median, over the repeats, of the policy's run divided by
-    the same repeat's LRU run, which load on a shared machine moves less than either run
-    alone."""
-    policies = ["lru", *[p for p in policies if p != "lru"]]
-    policy_to_means_us: dict[str, list[float]] = {p: [] for p in policies}
-    policy_to_hit_tokens: dict[str, int] = {}
-    for _ in range(repeats):
-        for policy in policies:
-            run = run_workload(prompts, num_untimed=num_warmup, num_blocks=num_blocks,
-                               hash_algo="sha256", hash_seed="bench", eviction_policy=policy)
-            policy_to_means_us[policy].append(statistics.fmean(run["samples"]["lifecycle"])
-                                              / 1000)
-            policy_to_hit_tokens[policy] = run["hit_tokens"]
-    lru_means_us = policy_to_means_us["lru"]
-    lru_us = min(lru_means_us)
-    return {p: {"lifecycle_mean_us": round(min(means_us), 3),
-                "over_lru": round(min(means_us) / lru_us, 3),
-                "over_lru_median": round(statistics.median(
-                    us / lru for us, lru in zip(means_us, lru_means_us, strict=True)), 3),
-                "hit_tokens": policy_to_hit_tokens[p]}
-            for p, means_us in policy_to_means_us.items()}
+    pays.
+
+    Every repeat times each policy in a pass of its own beside an LRU manager
+    (:func:`side_by_side_means_us`), and ``over_lru`` is the median over the repeats of
+    the policy's mean lifecycle divided by that pass's LRU one, with the lowest and
+    highest in ``over_lru_range``. A second LRU manager is timed the same way as a
+    control: its ratio, reported as :data:`LRU_CONTROL`, is how far two runs of the same
+    policy differ."""
+    names = [LRU_CONTROL, *[p for p in policies if p != "lru"]]
+    name_to_ratios: dict[str, list[float]] = {name: [] for name in names}
+    name_to_means_us: dict[str, list[float]] = {name: [] for name in ["lru", *names]}
+    name_to_hit_tokens: dict[str, int] = {}
+    for repeat in range(repeats):
+        for name in names:
+            policy = "lru" if name == LRU_CONTROL else name
+            means_us, hit_tokens = side_by_side_means_us(
+                prompts, ["lru", policy], num_warmup, num_blocks, seed=repeat)
+            name_to_means_us["lru"].append(means_us[0])
+            name_to_means_us[name].append(means_us[1])
+            name_to_ratios[name].append(means_us[1] / means_us[0])
+            name_to_hit_tokens["lru"], name_to_hit_tokens[name] = hit_tokens
+    name_to_ratios = {"lru": [1.0], **name_to_ratios}
+    return {name: {"lifecycle_mean_us": round(statistics.median(name_to_means_us[name]), 3),
+                   "over_lru": round(statistics.median(ratios), 3),
+                   "over_lru_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                   "hit_tokens": name_to_hit_tokens[name]}
+            for name, ratios in name_to_ratios.items()}
+
+
+def side_by_side_means_us(prompts, policies: list[str], num_warmup: int, num_blocks: int,
+                          seed: int) -> tuple[list[float], list[int]]:
+    """Serve ``prompts`` on one manager per policy side by side; each one's mean lifecycle
+    (µs) over the requests after the first ``num_warmup``, and its hit tokens.
+
+    Each request goes through every manager in turn, in an order shuffled afresh for every
+    request, so that other load on the machine, the CPU's clock and what the manager
+    before it left in the caches fall on every policy alike (timing whole runs one after
+    another, a policy measured against itself moved by up to 30 %). Only two managers
+    should share a pass: with more, each finds less of its own memory in the caches, and
+    a policy that touches more memory pays more for it, so a ratio would depend on how
+    many policies were timed together."""
+    order_rng = random.Random(seed)
+    # The manager built first ran a few percent slower than an identical one built after
+    # it (where its objects land in memory): build them in a shuffled order.
+    build_order = order_rng.sample(range(len(policies)), len(policies))
+    built = {index: Lifecycles(num_blocks, hash_algo="sha256", hash_seed="bench",
+                               eviction_policy=policies[index]) for index in build_order}
+    side_by_side = [built[index] for index in range(len(policies))]
+    turns = list(side_by_side)
+    gc.disable()  # a collection mid-operation would be charged to whichever op it hit
+    try:
+        for i, prompt in enumerate(prompts):
+            if i == num_warmup:
+                for lifecycles in turns:
+                    lifecycles.reset_samples()
+            order_rng.shuffle(turns)
+            for lifecycles in turns:
+                lifecycles.serve(f"r{i}", prompt)
+        for lifecycles in turns:
+            lifecycles.finish()
+    finally:
+        gc.enable()
+    return ([statistics.fmean(lifecycles.samples["lifecycle"]) / 1000
+             for lifecycles in side_by_side],
+            [lifecycles.hit_tokens for lifecycles in side_by_side])
 
 
 def hash_encoding_comparison(prompts: list[list[int]], repeats: int) -> dict:
@@ -212,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=500,
                         help="requests timed per configuration")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per configuration; the least disturbed one is reported")
+                        help="runs per configuration (the least disturbed one is reported) "
+                             "and passes per policy in the eviction-policy comparison (the "
+                             "median ratio to LRU is reported)")
     parser.add_argument("--quick", action="store_true",
                         help="only sha256 with caching on, guard and events off")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),

@@ -1,0 +1,58 @@
+"""``benchmarks/manager_overhead.py``'s eviction-policy comparison: every policy serves the
+same requests side by side, with a second LRU manager as the control."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.manager_overhead import (
+    BLOCK_SIZE,
+    LRU_CONTROL,
+    MAX_LIVE,
+    NUM_DECODE_STEPS,
+    PROMPT_LEN,
+    SHARED_PREFIX_LEN,
+    Lifecycles,
+    eviction_policy_comparison,
+    make_prompts,
+    run_workload,
+)
+
+# The smallest pool the workload fits in: the live requests beside the one admitted.
+MIN_BLOCKS = (MAX_LIVE + 1) * (PROMPT_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
+
+
+def test_side_by_side_comparison_reports_every_policy_and_the_control():
+    prompts = make_prompts(30)
+    figures = eviction_policy_comparison(prompts, repeats=3, policies=["2q", "lru"],
+                                         num_warmup=10, num_blocks=MIN_BLOCKS)
+    assert list(figures) == ["lru", LRU_CONTROL, "2q"]  # lru once, whatever the order asked
+    assert figures["lru"]["over_lru"] == 1.0
+    assert figures["lru"]["over_lru_range"] == [1.0, 1.0]
+    for name in (LRU_CONTROL, "2q"):
+        low, high = figures[name]["over_lru_range"]
+        assert 0 < low <= figures[name]["over_lru"] <= high
+        assert figures[name]["lifecycle_mean_us"] > 0
+    # Every manager served every request: on this workload every policy hits the shared
+    # prefix of each request after the first, and nothing else.
+    expected_hits = (len(prompts) - 1) * SHARED_PREFIX_LEN
+    assert {f["hit_tokens"] for f in figures.values()} == {expected_hits}
+
+
+def test_lifecycles_time_only_after_the_warm_up_and_free_everything():
+    prompts = make_prompts(MAX_LIVE + 4)
+    run = run_workload(prompts, num_untimed=3, num_blocks=MIN_BLOCKS, hash_algo="sha256")
+    assert len(run["samples"]["lifecycle"]) == len(prompts) - 3
+    assert len(run["samples"]["decode_step"]) == (len(prompts) - 3) * NUM_DECODE_STEPS
+    # A request is freed once more than MAX_LIVE are live: the first frees come after the
+    # warm-up here, one per request from request MAX_LIVE + 1 on.
+    assert len(run["samples"]["free"]) == len(prompts) - MAX_LIVE
+    assert run["failed_allocations"] == 0
+
+
+def test_a_leak_is_reported():
+    lifecycles = Lifecycles(MIN_BLOCKS, hash_algo="sha256")
+    lifecycles.serve("r0", make_prompts(1)[0])
+    lifecycles.manager.block_pool.get_new_blocks(1)  # taken outside any request
+    with pytest.raises(RuntimeError, match="leaked"):
+        lifecycles.finish()
