@@ -37,11 +37,6 @@ Example:
 """
 
 
-# Parameters for which 0 means something (never); every other count, length and rate must
-# be positive.
-_MAY_BE_ZERO = {"follow_up_probability", "popularity_drift_every"}
-
-
 def _param(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
@@ -51,7 +46,7 @@ def _param(text: str) -> tuple[str, str]:
 
 def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
     """``--param`` pairs as typed values of the family's fields; ValueError if unknown
-    or of the wrong type."""
+    or of the wrong type (a value out of range is the workload's to refuse)."""
     from prefixcache.sim.workloads import WORKLOAD_FAMILIES
 
     fields = {f.name: f for f in dataclasses.fields(WORKLOAD_FAMILIES[family])}
@@ -68,10 +63,7 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
         except ValueError:
             raise ValueError(f"{name} must be {type(default).__name__}, got {text!r}") \
                 from None
-        if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
-            raise ValueError(f"{name} must be {'>= 0' if name in _MAY_BE_ZERO else '> 0'}, "
-                             f"got {text!r}")
-        params[name] = value
+        params[name] = value  # its range is checked with the others' by make_workload
     return params
 
 

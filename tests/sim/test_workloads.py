@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import random
 from collections import Counter, defaultdict
 
 import pytest
@@ -16,9 +18,11 @@ from prefixcache.sim.trace import load_trace
 from prefixcache.sim.workloads import (
     WORKLOAD_FAMILIES,
     BlockIdInterner,
+    MixtureWorkload,
     generate_requests,
     write_trace,
 )
+from prefixcache.sim.workloads.parameter_ranges import check_parameter
 
 # Small prompts, so the token-id format stays small too.
 SMALL = {
@@ -142,7 +146,19 @@ def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["synth", "chat", "--num-requests", "5", "--param", "nope=1"], "no parameter 'nope'"),
     (["synth", "chat", "--num-requests", "5", "--param", "think_time_s=x"], "must be float"),
-    (["synth", "rag", "--num-requests", "5", "--param", "num_documents=0"], "must be > 0"),
+    (["synth", "rag", "--num-requests", "5", "--param", "num_documents=0"],
+     "num_documents must be between 1 and 1,000,000, got 0"),
+    # Values that used to end in a traceback, or never end: each is refused by its range.
+    (["synth", "rag", "--num-requests", "5", "--param", "zipf_s=1e12"],
+     "zipf_s must be between 0 and 10"),
+    (["synth", "agent", "--num-requests", "5", "--param", "mean_tool_time_s=inf"],
+     "mean_tool_time_s must be between"),
+    (["synth", "chat", "--num-requests", "5", "--param", "think_time_sigma=nan"],
+     "think_time_sigma must be between 0 and 10, got nan"),
+    (["synth", "mixture", "--num-requests", "5", "--param", "share_concentration=nan"],
+     "share_concentration must be between"),
+    (["synth", "tenants", "--num-requests", "5", "--param", "follow_up_probability=1.5"],
+     "follow_up_probability must be between 0 and 1"),
     (["synth", "chat"], "--num-requests is required"),
 ])
 def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
@@ -155,3 +171,33 @@ def test_synth_help_names_every_family(capsys):
         main(["synth", "--help"])
     text = capsys.readouterr().out
     assert all(family in text for family in WORKLOAD_FAMILIES)
+
+
+@pytest.mark.parametrize("family", WORKLOAD_FAMILIES)
+def test_every_parameter_has_a_range_that_holds_its_default(family):
+    workload = WORKLOAD_FAMILIES[family]()
+    numbers = {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload)
+               if isinstance(getattr(workload, f.name), int | float)}
+    assert numbers
+    for name, default in numbers.items():
+        check_parameter(name, default)  # KeyError for a parameter without a range
+
+
+@pytest.mark.parametrize("family,params,lengths", [
+    ("chat", {"max_context_tokens": 100}, "system_prompt_tokens or first_message_tokens"),
+    ("agent", {"tool_context_tokens": 60_000}, "tool_context_tokens or task_tokens"),
+])
+def test_parameters_that_leave_no_room_for_a_prompt_stop_with_a_clear_error(
+        family, params, lengths):
+    with pytest.raises(ValueError, match=f"prompts in a row would pass max_context_tokens.*"
+                                         f"lower {lengths}"):
+        generate_requests(family, 1, 10, **params)
+
+
+def test_a_mixture_whose_share_draws_all_underflow_shares_evenly():
+    class Underflowing(random.Random):
+        def gammavariate(self, alpha, beta):
+            return 0.0
+
+    requests = MixtureWorkload(share_concentration=0.01).generate(200, Underflowing(1))
+    assert len(requests) == 200

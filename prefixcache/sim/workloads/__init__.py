@@ -15,6 +15,7 @@ import random
 from prefixcache.sim.workloads.agent import AgentWorkload
 from prefixcache.sim.workloads.chat import ChatWorkload
 from prefixcache.sim.workloads.mixture import MixtureWorkload
+from prefixcache.sim.workloads.parameter_ranges import PARAMETER_RANGES, check_parameter
 from prefixcache.sim.workloads.rag import RAGWorkload
 from prefixcache.sim.workloads.synthetic_request import (
     BlockIdInterner,
@@ -31,7 +32,8 @@ TRACE_FORMATS = ("mooncake", "token-ids")
 
 def make_workload(family: str, **params):
     """The workload of ``family`` with ``params`` overriding its defaults. Raises
-    ValueError for an unknown family or parameter."""
+    ValueError for an unknown family or parameter, or a value out of the parameter's
+    range (:data:`~prefixcache.sim.workloads.parameter_ranges.PARAMETER_RANGES`)."""
     try:
         workload_class = WORKLOAD_FAMILIES[family]
     except KeyError:
@@ -42,6 +44,9 @@ def make_workload(family: str, **params):
     if unknown:
         raise ValueError(f"{family} has no parameter {', '.join(unknown)}; its parameters: "
                          f"{', '.join(sorted(known))}")
+    for name, value in params.items():
+        if name in PARAMETER_RANGES:  # not the families inside a mixture
+            check_parameter(name, value)
     return workload_class(**params)
 
 

@@ -6,6 +6,7 @@ import heapq
 import random
 from dataclasses import dataclass
 
+from prefixcache.sim.workloads.parameter_ranges import MAX_SKIPPED_IN_A_ROW, no_room
 from prefixcache.sim.workloads.sampling import geometric, lognormal_tokens
 from prefixcache.sim.workloads.synthetic_request import SyntheticRequest
 
@@ -43,6 +44,7 @@ class AgentWorkload:
         pending: list[tuple[float, int, int, int, int, int]] = []
         next_start = 0.0
         num_sessions = 0
+        num_skipped_in_a_row = 0
         while len(requests) < num_requests:
             if not pending or next_start <= pending[0][0]:
                 now, session = next_start, num_sessions
@@ -56,7 +58,12 @@ class AgentWorkload:
                 history += last_action + lognormal_tokens(rng, self.observation_tokens, 1.0,
                                                           low=16, high=16_000)
             if tool_lengths[agent] + history > self.max_context_tokens:
+                num_skipped_in_a_row += 1
+                if num_skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+                    raise no_room(self.name, self.max_context_tokens,
+                                  "tool_context_tokens or task_tokens")
                 continue
+            num_skipped_in_a_row = 0
             action = lognormal_tokens(rng, self.output_tokens, 0.5, low=1)
             requests.append(SyntheticRequest(
                 int(now * 1000),

@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from prefixcache.sim.workloads.parameter_ranges import MAX_SKIPPED_IN_A_ROW, no_room
 from prefixcache.sim.workloads.sampling import ZipfChooser, lognormal_tokens, pareto_count
 from prefixcache.sim.workloads.synthetic_request import SyntheticRequest
 
@@ -53,6 +54,7 @@ class ChatWorkload:
         pending: list[tuple[float, int, int, int, int, int]] = []
         next_start = 0.0
         num_conversations = 0
+        num_skipped_in_a_row = 0
         while len(requests) < num_requests:
             if not pending or next_start <= pending[0][0]:
                 now, conversation = next_start, num_conversations
@@ -69,7 +71,12 @@ class ChatWorkload:
                 user = lognormal_tokens(rng, self.user_tokens, 0.8, low=4)
             transcript += last_answer + user
             if system_lengths[system] + transcript > self.max_context_tokens:
+                num_skipped_in_a_row += 1
+                if num_skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+                    raise no_room(self.name, self.max_context_tokens,
+                                  "system_prompt_tokens or first_message_tokens")
                 continue
+            num_skipped_in_a_row = 0
             answer = lognormal_tokens(rng, self.output_tokens, 0.7, low=1)
             requests.append(SyntheticRequest(
                 int(now * 1000),

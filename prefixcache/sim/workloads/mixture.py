@@ -47,6 +47,8 @@ class MixtureWorkload:
         now = 0.0
         for phase in range(num_phases):
             weights = [rng.gammavariate(self.share_concentration, 1.0) for _ in families]
+            if not any(weights):  # every draw underflowed to 0 (a tiny concentration)
+                weights = [1.0] * len(families)
             end = (phase + 1) * num_requests // num_phases
             while len(requests) < end:
                 stream = streams[rng.choices(range(len(families)), weights)[0]]
