@@ -66,12 +66,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prefixcache.arg_types import positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
+from prefixcache.sim.replay import policy_names
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
-from prefixcache.sim.trace import Trace, load_trace
+from prefixcache.sim.trace import Trace, TraceFormatError, load_trace
 from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
 from prefixcache.sim.workloads.random_parameters import random_parameters
 
@@ -333,11 +335,42 @@ def measure_family(name: str, family: str, seed: int, num_requests: int, params:
     return result
 
 
+#: What the outputs merged by ``--combine`` must have measured alike.
+COMBINED_SETTINGS = ("block_size", "mode", "capacity_fractions_of_working_set",
+                     "adaptive_shadow_entries", "lofo_variants", "candidates_alone")
+
+
+def read_output(path: Path) -> dict:
+    """One earlier output of this script; ValueError, naming ``path``, if it is not one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not an output of this script (not UTF-8 text)") from None
+    try:
+        output = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not an output of this script (not JSON: {exc})") from None
+    if not isinstance(output, dict) or not isinstance(output.get("traces"), dict):
+        raise ValueError(f"{path}: not an output of this script (no 'traces')")
+    return output
+
+
 def combine(paths: list[Path]) -> int:
-    """Merge the traces of several outputs (same settings) and summarise them together."""
-    parts = [json.loads(path.read_text()) for path in paths]
+    """Merge the traces of several outputs (same settings) and summarise them together.
+    ValueError, naming the file, for one that is not an output of this script."""
+    parts = [read_output(path) for path in paths]
+    for key in COMBINED_SETTINGS:
+        if len({json.dumps(part.get(key)) for part in parts}) > 1:
+            raise ValueError(f"{' '.join(map(str, paths))}: measured with different {key}")
     output = {key: value for key, value in parts[0].items()
               if key not in ("traces", "summary", "leave_one_out")}
+    names = [name for part in parts for name in part["traces"]]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # one would silently replace the other
+        raise ValueError(f"{' '.join(map(str, paths))}: the same trace in more than one: "
+                         f"{', '.join(repeated)}")
     output["traces"] = {name: t for part in parts for name, t in part["traces"].items()}
     add_summary(output)
     json.dump(output, sys.stdout, indent=1)
@@ -355,7 +388,7 @@ def main() -> int:
                              "by its file (default: the shared trace, named 'shared'; '' "
                              "skips it)")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
-    parser.add_argument("--shadow-entries", type=int, default=None,
+    parser.add_argument("--shadow-entries", type=positive_int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
     parser.add_argument("--split-trace", type=int, default=1, metavar="N",
@@ -377,7 +410,10 @@ def main() -> int:
                              "alone, and report the best of them against adaptive")
     args = parser.parse_args()
     if args.combine:
-        return combine(args.combine)
+        try:
+            return combine(args.combine)
+        except ValueError as exc:
+            parser.error(f"--combine {exc}")
     if args.split_trace < 1:
         parser.error("--split-trace must be at least 1")
     if args.num_requests < 1 or args.random_traces < 0:
@@ -395,6 +431,10 @@ def main() -> int:
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = args.policies.split(",")
+    unknown_policies = [p for p in policies if p not in policy_names()]
+    if unknown_policies:
+        parser.error(f"unknown policy {', '.join(unknown_policies)}; choose among "
+                     f"{', '.join(policy_names())}")
     if "lru" not in policies or "adaptive" not in policies:
         parser.error("--policies must include lru and adaptive")
     fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
@@ -403,6 +443,14 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "
                      f"{', '.join(ADAPTIVE_VARIANTS)}")
+    shared = None
+    if args.trace and Path(args.trace).exists():
+        try:  # before the families: a bad file should not wait for minutes of replays
+            shared = load_trace(Path(args.trace))
+        except TraceFormatError as exc:  # its message names the file
+            parser.error(f"--trace: {exc}")
+        except OSError as exc:
+            parser.error(f"--trace {args.trace}: {exc.strerror}")
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
@@ -415,8 +463,7 @@ def main() -> int:
                             **measure_family(name, family, seed, args.num_requests, params,
                                              tmp, fractions, policies, lofo_variants,
                                              args.candidates_alone)}
-    if args.trace and Path(args.trace).exists():
-        shared = load_trace(Path(args.trace))
+    if shared is not None:
         name = trace_name(Path(args.trace))
         if args.split_trace == 1:
             traces[name] = evaluate(shared, fractions, policies, lofo_variants,

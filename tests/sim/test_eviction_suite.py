@@ -1,12 +1,18 @@
-"""The suite benchmark's check of ``adaptive`` against its candidate orders followed alone."""
+"""The suite benchmark: its check of ``adaptive`` against its candidate orders followed
+alone, and its handling of inputs it cannot use."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
+from benchmarks import eviction_suite
 from benchmarks.eviction_suite import (
     QUICK_FRACTIONS,
     best_candidate_figures,
+    combine,
     evaluate,
     sweep_adaptive_with,
 )
@@ -81,3 +87,52 @@ def test_suite_reports_every_candidate_alone_and_the_best(chat_trace):
     assert AdaptiveFreeBlockQueue.candidates == CANDIDATES
     assert "candidates_alone" not in evaluate(chat_trace, QUICK_FRACTIONS,
                                               ["lru", "adaptive"], [])
+
+
+def write_output(path, traces, **settings):
+    path.write_text(json.dumps({"block_size": 512, "lofo_variants": [], **settings,
+                                "traces": traces}))
+    return path
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x93 not text", "not UTF-8 text"),
+    (b"{not json", "not JSON"),
+    (b'{"a": 1}', "not an output of this script"),
+    (b"[1, 2]", "not an output of this script"),
+])
+def test_combine_refuses_a_file_that_is_not_an_output(tmp_path, content, message):
+    path = tmp_path / "part.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        combine([path])
+    with pytest.raises(ValueError, match="cannot read it .No such file"):
+        combine([tmp_path / "missing.json"])
+
+
+def test_combine_refuses_outputs_that_differ_or_name_a_trace_twice(tmp_path):
+    a = write_output(tmp_path / "a.json", {"chat": {}})
+    b = write_output(tmp_path / "b.json", {"rag": {}}, lofo_variants=["ghost-2"])
+    with pytest.raises(ValueError, match="measured with different lofo_variants"):
+        combine([a, b])
+    c = write_output(tmp_path / "c.json", {"chat": {}})  # a trace of the same name
+    with pytest.raises(ValueError, match="the same trace in more than one: chat"):
+        combine([a, c])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--policies", "lru,adaptive,nope"], "unknown policy nope"),
+    (["--shadow-entries", "0"], "must be >= 1"),
+    (["--combine", "{missing}"], "cannot read it"),
+    (["--trace", "{empty}", "--families", ""], "no requests in the trace"),
+])
+def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypatch, capsys,
+                                                               argv, message):
+    (tmp_path / "empty.jsonl").write_text("")
+    argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl")
+            for arg in argv]
+    monkeypatch.setattr(sys, "argv", ["eviction_suite.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        eviction_suite.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
