@@ -215,10 +215,10 @@ def side_by_side_means_us(prompts, policies: list[str], num_warmup: int, num_blo
     order_rng = random.Random(seed)
     # The manager built first ran a few percent slower than an identical one built after
     # it (where its objects land in memory): build them in a shuffled order.
-    build_order = order_rng.sample(range(len(policies)), len(policies))
-    built = {index: Lifecycles(num_blocks, hash_algo="sha256", hash_seed="bench",
-                               eviction_policy=policies[index]) for index in build_order}
-    side_by_side = [built[index] for index in range(len(policies))]
+    side_by_side: list[Lifecycles] = [None] * len(policies)
+    for index in order_rng.sample(range(len(policies)), len(policies)):
+        side_by_side[index] = Lifecycles(num_blocks, hash_algo="sha256", hash_seed="bench",
+                                         eviction_policy=policies[index])
     turns = list(side_by_side)
     gc.disable()  # a collection mid-operation would be charged to whichever op it hit
     try:
