@@ -10,16 +10,17 @@ there, the least ``adaptive - lru`` over the sweep (points), and the replay time
 
 Leave-one-trace-out validation of ``adaptive``'s design choices, its *variants*: the
 registered one, other sizes of its shadow caches (``shadow-256``, ``shadow-384``,
-``shadow-512``: entries per shadow), the costlier version it replaced (``previous``:
-``2q``'s own order as a fifth candidate, shadows of 512 entries), the set of recency and
+``shadow-512``: entries per shadow), the costlier candidate set it replaced
+(``previous``: ``2q``'s own order as a fifth candidate, shadows of 512 entries; with
+today's ghost-list reach, not the earlier shorter one), the set of recency and
 protection orders alone: 0, 50 and 90 % protected (``no-low-reuse``), the candidates
 without the half-protected one (``no-half``), and one ghost-list reach for every
 candidate instead of the choice between two: ``2q``'s 2 cache-fulls (``ghost-2``) or 4
 (``ghost-4``).
 ``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
 trace left out, the variant with the best mean score on the *other* traces is chosen
-(score: the share of the widest gap closed, minus 1 for every capacity more than 0.2
-points below LRU), and the left-out trace's figures under it are reported
+(score: the share of the widest gap closed, minus 1 if it is more than 0.2 points below
+LRU at any capacity), and the left-out trace's figures under it are reported
 (``leave_one_out``).
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]

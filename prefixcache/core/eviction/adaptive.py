@@ -19,9 +19,10 @@ candidate (:data:`CANDIDATES`) is a triple:
   number of tokens it generated, as in ``learned-reuse`` — is one whose new content is
   looked up again less than half as often as new content overall
   (:class:`~prefixcache.core.eviction.signature_reuse.SignatureReuseEstimate`: hits on
-  free blocks and recomputations from the ghost list count as look-ups; counts halve
-  every ``8 * num_blocks`` inserted blocks). The estimate is kept whichever candidate is
-  followed, so switching to it needs no warm-up;
+  free blocks and recomputations from the ghost list count as look-ups; the counts halve
+  whenever their decayed total of inserted blocks passes ``8 * num_blocks``, which in a
+  steady stream is every ``4 * num_blocks`` insertions). The estimate is kept whichever
+  candidate is followed, so switching to it needs no warm-up;
 - the ghost list's reach, ``ghost_factor``: a recomputation counts as a second reference
   if its hash was evicted within the last ``ghost_factor * num_blocks`` evictions. The
   ghost list keeps the longest reach of all candidates, each entry with the eviction
@@ -114,11 +115,14 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     docstring)."""
 
     policy_name = "adaptive"
-    summary = "follows online whichever of LRU, 2q and low-reuse-first would have hit most"
+    summary = ("follows online whichever of five recency and protection orders would have"
+               " hit most")
     shadow_entries = 320  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
-    reuse_memory_factor = 8  # the reuse estimate's counts halve every this x num_blocks
+    # The reuse estimate's counts halve when their decayed insert total passes this x
+    # num_blocks.
+    reuse_memory_factor = 8
     candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
 
     @property

@@ -19,9 +19,10 @@ class MixtureWorkload:
     (Dirichlet with concentration ``share_concentration``: small values give lopsided
     phases), so which shape dominates the cache changes over time. Within the RAG and
     tenant traffic, popularity also drifts: their rankings are redrawn every
-    ``popularity_drift_every`` of their requests. Each family keeps its own request order;
-    arrivals are a Poisson process at ``requests_per_s`` (families' own clocks are not
-    kept, so chat think times and tool times stretch or shrink with the family's share).
+    ``popularity_drift_every`` of their requests (of their first requests, for tenants).
+    Each family keeps its own request order; arrivals are a Poisson process at
+    ``requests_per_s`` (families' own clocks are not kept, so chat think times and tool
+    times stretch or shrink with the family's share).
     """
 
     num_phases: int = 4

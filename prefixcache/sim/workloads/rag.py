@@ -12,13 +12,13 @@ from prefixcache.sim.workloads.synthetic_request import SyntheticRequest
 @dataclass(frozen=True, slots=True)
 class RAGWorkload:
     """Requests arrive as a Poisson process (``requests_per_s``). Each asks a fresh
-    question (``question_tokens``, never shared) about one of ``num_documents`` documents
-    (``document_tokens`` long, log-normal), chosen with Zipf popularity of exponent
-    ``zipf_s`` over a random ranking; the prompt is a shared instruction prompt
-    (``system_prompt_tokens``), the document, then the question. With probability
-    ``follow_up_probability`` the next request is a follow-up instead: the previous prompt,
-    its answer and a new question. Every ``popularity_drift_every`` requests (0: never) the
-    ranking is redrawn, so yesterday's popular documents go cold.
+    question (``question_tokens``, shared only by its thread's follow-ups) about one of
+    ``num_documents`` documents (``document_tokens`` long, log-normal), chosen with Zipf
+    popularity of exponent ``zipf_s`` over a random ranking; the prompt is a shared
+    instruction prompt (``system_prompt_tokens``), the document, then the question. With
+    probability ``follow_up_probability`` the next request is a follow-up instead: the
+    previous prompt, its answer and a new question. Every ``popularity_drift_every``
+    requests (0: never) the ranking is redrawn, so yesterday's popular documents go cold.
     """
 
     num_documents: int = 1500

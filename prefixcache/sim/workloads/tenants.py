@@ -15,11 +15,11 @@ class TenantsWorkload:
     """Requests arrive as a Poisson process (``requests_per_s``) from ``num_tenants``
     tenants of Zipf popularity (exponent ``zipf_s``). A tenant's prompts all open with its
     own system prompt (``system_prompt_tokens``, log-normal with a wide spread: a short
-    instruction or a long few-shot prompt), then a user input (``user_tokens``, never
-    shared). With probability ``follow_up_probability`` a request gets one follow-up
-    ``follow_up_delay_s`` seconds later on average (exponential): the first prompt, its
-    answer and a new input. Every ``popularity_drift_every`` requests (0: never) the
-    tenants' ranking is redrawn.
+    instruction or a long few-shot prompt), then a user input (``user_tokens``, shared
+    only by its follow-up). With probability ``follow_up_probability`` a first request
+    gets one follow-up ``follow_up_delay_s`` seconds later on average (exponential): the
+    first prompt, its answer and a new input. Every ``popularity_drift_every`` first
+    requests (0: never) the tenants' ranking is redrawn.
     """
 
     num_tenants: int = 300
