@@ -115,6 +115,14 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
 }
 
 
+def name_list(text: str) -> list[str]:
+    """Comma-separated names, spaces around them stripped, in order without repeats
+    (as ``prefixcache replay --policy`` reads them): a policy or trace named twice would
+    be replayed twice and reported once."""
+    return list(dict.fromkeys(name for name in (part.strip() for part in text.split(","))
+                              if name))
+
+
 def split_in_time(requests: list, num_parts: int) -> list[list]:
     """``requests`` (in time order) cut into ``num_parts`` consecutive parts of nearly
     equal size."""
@@ -379,7 +387,7 @@ def combine(paths: list[Path]) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
@@ -409,7 +417,7 @@ def main() -> int:
     parser.add_argument("--candidates-alone", action="store_true",
                         help="also replay each of adaptive's candidate orders followed "
                              "alone, and report the best of them against adaptive")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.combine:
         try:
             return combine(args.combine)
@@ -419,8 +427,10 @@ def main() -> int:
         parser.error("--split-trace must be at least 1")
     if args.num_requests < 1 or args.random_traces < 0:
         parser.error("--num-requests must be at least 1, --random-traces at least 0")
-    families = [f for f in args.families.split(",") if f]
-    random_families = [f for f in args.random_families.split(",") if f]
+    families = name_list(args.families)
+    # Repeats kept: the random traces take these families in turn, as many times as named.
+    random_families = [f for f in (part.strip() for part in args.random_families.split(","))
+                       if f]
     unknown_families = [f for f in families + random_families if f not in WORKLOAD_FAMILIES]
     if unknown_families:
         parser.error(f"unknown family {', '.join(unknown_families)}; choose among "
@@ -431,7 +441,7 @@ def main() -> int:
         parser.error(f"--trace {args.trace}: no such file")
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
-    policies = args.policies.split(",")
+    policies = name_list(args.policies)
     unknown_policies = [p for p in policies if p not in policy_names()]
     if unknown_policies:
         parser.error(f"unknown policy {', '.join(unknown_policies)}; choose among "
@@ -439,7 +449,7 @@ def main() -> int:
     if "lru" not in policies or "adaptive" not in policies:
         parser.error("--policies must include lru and adaptive")
     fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
-    lofo_variants = [v for v in args.lofo_variants.split(",") if v]
+    lofo_variants = name_list(args.lofo_variants)
     unknown = [v for v in lofo_variants if v not in ADAPTIVE_VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "

@@ -136,3 +136,22 @@ def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypa
         eviction_suite.main()
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+#: A run of seconds: one small family, three capacities, no variants.
+TINY_RUN = ["--families", "chat", "--trace", "", "--num-requests", "100", "--quick",
+            "--lofo-variants", ""]
+
+
+def run_main(capsys, argv):
+    """``main(argv)``'s exit code, parsed stdout, and stderr."""
+    exit_code = eviction_suite.main(argv)
+    out, err = capsys.readouterr()
+    return exit_code, json.loads(out), err
+
+
+def test_policies_are_read_with_spaces_and_repeats(capsys):
+    exit_code, output, _ = run_main(
+        capsys, [*TINY_RUN, "--policies", " lru, adaptive,lru,,adaptive "])
+    assert exit_code == 0
+    assert list(output["traces"]["chat"]["policy_hit_rates"]) == ["lru", "adaptive"]
