@@ -437,8 +437,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(WORKLOAD_FAMILIES)}")
     if args.random_traces and not random_families:
         parser.error("--random-traces needs at least one of --random-families")
-    if args.trace and Path(args.trace) != DEFAULT_TRACE and not Path(args.trace).is_file():
-        parser.error(f"--trace {args.trace}: no such file")
+    if not families and not args.random_traces and not args.trace:
+        parser.error("nothing to measure: --families '' and --trace '' without "
+                     "--random-traces")
+    if args.split_trace > 1 and not args.trace:
+        parser.error(f"--split-trace {args.split_trace} needs a trace to split, and "
+                     "--trace '' skips it")
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = name_list(args.policies)
@@ -455,13 +459,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "
                      f"{', '.join(ADAPTIVE_VARIANTS)}")
     shared = None
-    if args.trace and Path(args.trace).exists():
+    if args.trace:
         try:  # before the families: a bad file should not wait for minutes of replays
             shared = load_trace(Path(args.trace))
-        except TraceFormatError as exc:  # its message names the file
+        except TraceFormatError as exc:  # its message names the file (or directory)
             parser.error(f"--trace: {exc}")
         except OSError as exc:
             parser.error(f"--trace {args.trace}: {exc.strerror}")
+        if args.split_trace > len(shared.requests):  # a part of none measures nothing
+            parser.error(f"--split-trace {args.split_trace}: the trace has only "
+                         f"{len(shared.requests)} requests, one part per request at most")
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:

@@ -4,7 +4,6 @@ alone, and its handling of inputs it cannot use."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -125,17 +124,40 @@ def test_combine_refuses_outputs_that_differ_or_name_a_trace_twice(tmp_path):
     (["--shadow-entries", "0"], "must be >= 1"),
     (["--combine", "{missing}"], "cannot read it"),
     (["--trace", "{empty}", "--families", ""], "no requests in the trace"),
+    (["--trace", "{tmp}"], "Is a directory"),
+    (["--families", "", "--trace", ""], "nothing to measure"),
+    (["--families", " ,", "--trace", "", "--random-traces", "0"], "nothing to measure"),
+    (["--trace", "", "--split-trace", "3"], "--split-trace 3 needs a trace to split"),
+    (["--trace", "{five}", "--split-trace", "6"], "the trace has only 5 requests"),
 ])
 def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypatch, capsys,
                                                                argv, message):
     (tmp_path / "empty.jsonl").write_text("")
-    argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl")
-            for arg in argv]
-    monkeypatch.setattr(sys, "argv", ["eviction_suite.py", *argv])
+    with (tmp_path / "five.jsonl").open("w") as handle:
+        write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
+    argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl",
+                       five=tmp_path / "five.jsonl", tmp=tmp_path) for arg in argv]
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed before the usage error")
+
+    monkeypatch.setattr(eviction_suite, "sweep", no_replay)
     with pytest.raises(SystemExit) as exit_info:
-        eviction_suite.main()
+        eviction_suite.main(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage:")
+    assert " error: " in err.splitlines()[-1]
+    assert message in err.splitlines()[-1]
+
+
+def test_a_trace_split_into_as_many_parts_as_requests_is_measured(tmp_path, capsys):
+    path = tmp_path / "five.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
+    _, output, _ = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
+                                     "--split-trace", "5", "--lofo-variants", ""])
+    assert [t["num_requests"] for t in output["traces"].values()] == [1] * 5
 
 
 #: A run of seconds: one small family, three capacities, no variants.
