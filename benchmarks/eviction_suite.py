@@ -363,7 +363,69 @@ def read_output(path: Path) -> dict:
         raise ValueError(f"{path}: not an output of this script (not JSON: {exc})") from None
     if not isinstance(output, dict) or not isinstance(output.get("traces"), dict):
         raise ValueError(f"{path}: not an output of this script (no 'traces')")
+    problem = output_problem(output)
+    if problem:
+        raise ValueError(f"{path}: not an output of this script ({problem})")
     return output
+
+
+def is_number(value) -> bool:
+    return type(value) in (int, float)  # not bool, which JSON's true would give
+
+
+def is_hit_rates(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(map(is_number, value))
+
+
+def output_problem(output: dict) -> str | None:
+    """What :func:`combine` and :func:`add_summary` would fail on in ``output`` (a dict
+    with a dict ``traces``): a missing setting, no traces, or a trace without the figures
+    they read; None if there is nothing."""
+    missing = [key for key in COMBINED_SETTINGS if key not in output]
+    if missing:
+        return f"no {', '.join(missing)}"
+    variants = output["lofo_variants"]
+    if not isinstance(variants, list) or not all(isinstance(v, str) for v in variants):
+        return "lofo_variants is not a list of names"
+    if not output["traces"]:
+        return "no traces in 'traces'"
+    for name, entry in output["traces"].items():
+        problem = trace_problem(entry, [REGISTERED, *variants])
+        if problem:
+            return f"trace {name!r}: {problem}"
+    return None
+
+
+def trace_problem(entry, variants: list[str]) -> str | None:
+    """What the summary would fail on in one trace's figures, replayed under ``variants``
+    of ``adaptive``; None if there is nothing."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    missing = [key for key in ("widest_gap", "min_adaptive_minus_lru_points",
+                               "adaptive_over_lru_replay_time", "belady_hit_rates",
+                               "policy_hit_rates", "adaptive_by_variant") if key not in entry]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if not isinstance(entry["widest_gap"], dict) \
+            or "adaptive_fraction_of_gap_closed" not in entry["widest_gap"]:
+        return "no adaptive_fraction_of_gap_closed in widest_gap"
+    belady, policy_rates = entry["belady_hit_rates"], entry["policy_hit_rates"]
+    if not is_hit_rates(belady):
+        return "belady_hit_rates is not a list of hit rates"
+    if not isinstance(policy_rates, dict) or "lru" not in policy_rates or not all(
+            is_hit_rates(rates) and len(rates) == len(belady)
+            for rates in policy_rates.values()):
+        return "policy_hit_rates is not lru's and others' hit rates, one per capacity"
+    by_variant = entry["adaptive_by_variant"]
+    for variant in variants:
+        figures = by_variant.get(variant) if isinstance(by_variant, dict) else None
+        if not isinstance(figures, dict) \
+                or not is_number(figures.get("min_minus_lru_points")) \
+                or "fraction_of_gap_closed" not in figures \
+                or not (figures["fraction_of_gap_closed"] is None
+                        or is_number(figures["fraction_of_gap_closed"])):
+            return f"no figures for adaptive's variant {variant!r} in adaptive_by_variant"
+    return None
 
 
 def combine(paths: list[Path]) -> int:
@@ -375,6 +437,12 @@ def combine(paths: list[Path]) -> int:
             raise ValueError(f"{' '.join(map(str, paths))}: measured with different {key}")
     output = {key: value for key, value in parts[0].items()
               if key not in ("traces", "summary", "leave_one_out")}
+    # The summary of the random traces compares each policy on every one of them.
+    random_policies = {frozenset(t["policy_hit_rates"]) for part in parts
+                       for t in part["traces"].values() if "parameters" in t}
+    if len(random_policies) > 1:
+        raise ValueError(f"{' '.join(map(str, paths))}: random traces replayed with "
+                         "different policies")
     names = [name for part in parts for name in part["traces"]]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:  # one would silently replace the other

@@ -88,10 +88,21 @@ def test_suite_reports_every_candidate_alone_and_the_best(chat_trace):
                                               ["lru", "adaptive"], [])
 
 
+SETTINGS = {"block_size": 512, "mode": "sequential", "capacity_fractions_of_working_set":
+            list(QUICK_FRACTIONS), "adaptive_shadow_entries": 128, "lofo_variants": [],
+            "candidates_alone": False}
+
+
 def write_output(path, traces, **settings):
-    path.write_text(json.dumps({"block_size": 512, "lofo_variants": [], **settings,
-                                "traces": traces}))
+    path.write_text(json.dumps({**SETTINGS, **settings, "traces": traces}))
     return path
+
+
+@pytest.fixture(scope="module")
+def chat_figures(chat_trace):
+    """One trace's figures as the suite reports them."""
+    return json.loads(json.dumps(evaluate(chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"],
+                                          ["ghost-2"])))
 
 
 @pytest.mark.parametrize("content,message", [
@@ -109,20 +120,73 @@ def test_combine_refuses_a_file_that_is_not_an_output(tmp_path, content, message
         combine([tmp_path / "missing.json"])
 
 
-def test_combine_refuses_outputs_that_differ_or_name_a_trace_twice(tmp_path):
-    a = write_output(tmp_path / "a.json", {"chat": {}})
-    b = write_output(tmp_path / "b.json", {"rag": {}}, lofo_variants=["ghost-2"])
+def test_combine_refuses_outputs_that_differ_or_name_a_trace_twice(tmp_path, chat_figures):
+    a = write_output(tmp_path / "a.json", {"chat": chat_figures})
+    b = write_output(tmp_path / "b.json", {"rag": chat_figures}, lofo_variants=["ghost-2"])
     with pytest.raises(ValueError, match="measured with different lofo_variants"):
         combine([a, b])
-    c = write_output(tmp_path / "c.json", {"chat": {}})  # a trace of the same name
+    c = write_output(tmp_path / "c.json", {"chat": chat_figures})  # the same name
     with pytest.raises(ValueError, match="the same trace in more than one: chat"):
         combine([a, c])
+    random = {"family": "chat", "seed": 1, "parameters": {}}
+    d = write_output(tmp_path / "d.json", {"random-01-chat": {**chat_figures, **random}})
+    with_2q = {**chat_figures, **random, "policy_hit_rates": {
+        **chat_figures["policy_hit_rates"], "2q": chat_figures["belady_hit_rates"]}}
+    e = write_output(tmp_path / "e.json", {"random-02-chat": with_2q})
+    with pytest.raises(ValueError, match="random traces replayed with different policies"):
+        combine([d, e])
+
+
+def test_combine_summarises_the_traces_of_every_output(tmp_path, capsys, chat_figures):
+    a = write_output(tmp_path / "a.json", {"chat": chat_figures}, lofo_variants=["ghost-2"])
+    b = write_output(tmp_path / "b.json", {"rag": chat_figures}, lofo_variants=["ghost-2"])
+    assert combine([a, b]) == 0
+    output = json.loads(capsys.readouterr().out)
+    assert list(output["summary"]) == list(output["leave_one_out"]) == ["chat", "rag"]
+
+
+def without(figures: dict, *path: str) -> dict:
+    """``figures`` (copied) without the key at ``path``."""
+    figures = json.loads(json.dumps(figures))
+    inner = figures
+    for key in path[:-1]:
+        inner = inner[key]
+    del inner[path[-1]]
+    return figures
+
+
+@pytest.mark.parametrize("make_traces,settings,message", [
+    (lambda f: {}, {}, "no traces"),
+    (lambda f: {"a": 5}, {}, "trace 'a': not an object"),
+    (lambda f: {"a": {}}, {}, "trace 'a': no widest_gap, min_adaptive_minus_lru_points"),
+    (lambda f: {"a": f, "b": without(f, "widest_gap")}, {}, "trace 'b': no widest_gap"),
+    (lambda f: {"a": without(f, "widest_gap", "adaptive_fraction_of_gap_closed")}, {},
+     "no adaptive_fraction_of_gap_closed"),
+    (lambda f: {"a": {**f, "belady_hit_rates": [0.5]}}, {}, "one per capacity"),
+    (lambda f: {"a": {**f, "belady_hit_rates": "0.5"}}, {}, "not a list of hit rates"),
+    (lambda f: {"a": without(f, "adaptive_by_variant", "ghost-2")},
+     {"lofo_variants": ["ghost-2"]}, "variant 'ghost-2'"),
+    (lambda f: {"a": f}, {"lofo_variants": "ghost-2"}, "lofo_variants is not a list"),
+])
+def test_combine_refuses_an_output_without_what_the_summary_reads(
+        tmp_path, chat_figures, make_traces, settings, message):
+    path = write_output(tmp_path / "part.json", make_traces(chat_figures), **settings)
+    with pytest.raises(ValueError, match=f"part.json: not an output of this script .*{message}"):
+        combine([path])
+
+
+def test_combine_refuses_an_output_without_its_settings(tmp_path, chat_figures):
+    path = tmp_path / "part.json"
+    path.write_text(json.dumps({"traces": {}}))
+    with pytest.raises(ValueError, match="no block_size, mode, .*candidates_alone"):
+        combine([path])
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--policies", "lru,adaptive,nope"], "unknown policy nope"),
     (["--shadow-entries", "0"], "must be >= 1"),
     (["--combine", "{missing}"], "cannot read it"),
+    (["--combine", "{no_figures}"], "no_figures.json: not an output of this script"),
     (["--trace", "{empty}", "--families", ""], "no requests in the trace"),
     (["--trace", "{tmp}"], "Is a directory"),
     (["--families", "", "--trace", ""], "nothing to measure"),
@@ -135,8 +199,10 @@ def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypa
     (tmp_path / "empty.jsonl").write_text("")
     with (tmp_path / "five.jsonl").open("w") as handle:
         write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
+    write_output(tmp_path / "no_figures.json", {"a": {}})
     argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl",
-                       five=tmp_path / "five.jsonl", tmp=tmp_path) for arg in argv]
+                       five=tmp_path / "five.jsonl", tmp=tmp_path,
+                       no_figures=tmp_path / "no_figures.json") for arg in argv]
 
     def no_replay(*args, **kwargs):
         raise AssertionError("replayed before the usage error")
