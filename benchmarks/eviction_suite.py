@@ -70,6 +70,7 @@ from pathlib import Path
 from prefixcache.arg_types import positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
+from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _discard_stdout
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.replay import policy_names
@@ -456,6 +457,24 @@ def combine(paths: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the script on ``argv``. As the ``prefixcache`` command does: on Ctrl-C, exit
+    130 with "interrupted" on stderr; when stdout's reader goes away (``| head``), exit
+    141 with nothing on stderr. A usage error exits 2 (SystemExit from argparse)."""
+    try:
+        exit_code = run(argv)
+        # Output still buffered meets a closed pipe here rather than in the interpreter's
+        # final flush, which can only print a traceback.
+        sys.stdout.flush()
+        return exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _discard_stdout()  # what is still buffered would fail again at exit
+        return EXIT_BROKEN_PIPE
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
@@ -551,14 +570,13 @@ def main(argv: list[str] | None = None) -> int:
                                              args.candidates_alone)}
     if shared is not None:
         name = trace_name(Path(args.trace))
-        if args.split_trace == 1:
-            traces[name] = evaluate(shared, fractions, policies, lofo_variants,
-                                    args.candidates_alone)
-        for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1):
-            if args.split_trace > 1:
-                traces[f"{name}-{part}/{args.split_trace}"] = evaluate(
-                    dataclasses.replace(shared, requests=requests), fractions, policies,
-                    lofo_variants, args.candidates_alone)
+        parts = [(name, shared)] if args.split_trace == 1 else [
+            (f"{name}-{part}/{args.split_trace}", dataclasses.replace(shared, requests=requests))
+            for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
+        for part_name, trace in parts:
+            traces[part_name] = evaluate(trace, fractions, policies, lofo_variants,
+                                         args.candidates_alone)
+            print(f"{part_name}: done", file=sys.stderr)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},

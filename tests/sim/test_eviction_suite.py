@@ -4,6 +4,9 @@ alone, and its handling of inputs it cannot use."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +25,7 @@ from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import load_trace
 from prefixcache.sim.workloads import generate_requests, write_trace
+from tests.processes import REPO_ROOT
 
 
 def test_best_candidate_at_the_widest_gap_and_adaptive_shortfall():
@@ -221,9 +225,38 @@ def test_a_trace_split_into_as_many_parts_as_requests_is_measured(tmp_path, caps
     path = tmp_path / "five.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
-    _, output, _ = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
-                                     "--split-trace", "5", "--lofo-variants", ""])
+    _, output, err = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
+                                       "--split-trace", "5", "--lofo-variants", ""])
     assert [t["num_requests"] for t in output["traces"].values()] == [1] * 5
+    # Progress on stderr, a line per part as it is done.
+    assert err.splitlines() == [f"five-{part}/5: done" for part in range(1, 6)]
+    _, output, err = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
+                                       "--lofo-variants", ""])
+    assert list(output["traces"]) == ["five"]
+    assert err == "five: done\n"
+
+
+def test_ctrl_c_ends_in_exit_130_and_a_line_not_a_traceback(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eviction_suite, "sweep", interrupted)
+    assert eviction_suite.main(TINY_RUN) == 130
+    assert capsys.readouterr() == ("", "interrupted\n")
+
+
+def test_a_closed_stdout_ends_quietly_in_exit_141(tmp_path):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone, as after ``| head -c1``
+    try:
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "benchmarks" / "eviction_suite.py"), *TINY_RUN],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141
+    assert result.stderr == "chat: done\n"  # the progress, and no traceback
 
 
 #: A run of seconds: one small family, three capacities, no variants.
