@@ -35,6 +35,7 @@ import time
 from collections import deque
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _discard_stdout
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
@@ -45,6 +46,12 @@ MAX_LIVE = 16
 # Blocks a request fills that no earlier request holds: its own prompt tail and its decode.
 NEW_BLOCKS_PER_REQUEST = (PROMPT_LEN - SHARED_PREFIX_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
 VOCAB = 50_000
+# The default warm-up is a quarter of the pool's blocks in requests, each built up front
+# as a prompt of PROMPT_LEN Python ints (about 28 KB): about 7 KB per block. At this bound
+# that is 1.9 GB of prompts and, at ~0.3 ms per request and manager, about 40 s for each
+# of the default 18 passes (6 policies x 3 repeats); at 4x it would be 7.4 GB and about an
+# hour in all. (The published runs go up to 32,768 blocks.)
+MAX_POLICY_NUM_BLOCKS = 262_144
 OPS = ("create_and_hash", "get_computed_blocks", "allocate_prompt", "decode_step", "free",
        "lifecycle")
 
@@ -274,9 +281,28 @@ def hash_encoding_comparison(prompts: list[list[int]], repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on ``argv``. As the ``prefixcache`` command does: on Ctrl-C, exit
+    130 with "interrupted" on stderr; when stdout's reader goes away (``| head``), exit
+    141 with nothing on stderr. A usage error exits 2 (SystemExit from argparse)."""
+    try:
+        exit_code = run(argv)
+        # Output still buffered meets a closed pipe here rather than in the interpreter's
+        # final flush, which can only print a traceback.
+        sys.stdout.flush()
+        return exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _discard_stdout()  # what is still buffered would fail again at exit
+        return EXIT_BROKEN_PIPE
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=500,
-                        help="requests timed per configuration")
+                        help=f"requests timed per configuration (at least {MAX_LIVE + 1}: "
+                             f"one is freed only once more than {MAX_LIVE} are live)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per configuration (the least disturbed one is reported) "
                              "and passes per policy in the eviction-policy comparison (the "
@@ -287,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="eviction policies to time against lru (comma-separated)")
     parser.add_argument("--policy-num-blocks", type=int, default=NUM_BLOCKS,
                         help="pool size for the eviction-policy comparison (the other "
-                             "measurements use 4096)")
+                             f"measurements use 4096); at most {MAX_POLICY_NUM_BLOCKS}: "
+                             "the default warm-up's prompts take about 7 KB per block")
     parser.add_argument("--policy-warmup", type=int, default=None,
                         help="requests each policy runs untimed before its --requests "
                              "timed ones (default: a quarter of --policy-num-blocks; a "
@@ -296,14 +323,23 @@ def main(argv: list[str] | None = None) -> int:
                              "the longest ghost list, 4 pool-fulls of hashes, is full by "
                              "then)")
     args = parser.parse_args(argv)
-    if args.policy_warmup is None:
-        args.policy_warmup = args.policy_num_blocks // 4
-    if args.requests < 1 or args.repeats < 1 or args.policy_warmup < 0:
-        parser.error("--requests and --repeats must be at least 1, --policy-warmup at least 0")
+    if args.requests <= MAX_LIVE:  # the free operation would have no sample to summarise
+        parser.error(f"--requests must be at least {MAX_LIVE + 1}: a request is freed "
+                     f"only once more than {MAX_LIVE} are live")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     # The pool must hold the live requests' blocks beside the one being admitted.
     min_blocks = (MAX_LIVE + 1) * (PROMPT_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
     if args.policy_num_blocks < min_blocks:
         parser.error(f"--policy-num-blocks must be at least {min_blocks} for this workload")
+    if args.policy_num_blocks > MAX_POLICY_NUM_BLOCKS:
+        parser.error(f"--policy-num-blocks must be at most {MAX_POLICY_NUM_BLOCKS}: the "
+                     "default warm-up's prompts take about 7 KB per block")
+    # Checked only once the pool is: the default is derived from it.
+    if args.policy_warmup is None:
+        args.policy_warmup = args.policy_num_blocks // 4
+    if args.policy_warmup < 0:
+        parser.error("--policy-warmup must be at least 0")
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown:

@@ -1,14 +1,20 @@
 """``benchmarks/manager_overhead.py``'s eviction-policy comparison: every policy serves the
-same requests side by side, with a second LRU manager as the control."""
+same requests side by side, with a second LRU manager as the control; and its handling of
+arguments it cannot use and of Ctrl-C."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
+from benchmarks import manager_overhead
 from benchmarks.manager_overhead import (
     BLOCK_SIZE,
     LRU_CONTROL,
     MAX_LIVE,
+    MAX_POLICY_NUM_BLOCKS,
     NUM_DECODE_STEPS,
     PROMPT_LEN,
     SHARED_PREFIX_LEN,
@@ -56,3 +62,66 @@ def test_a_leak_is_reported():
     lifecycles.manager.block_pool.get_new_blocks(1)  # taken outside any request
     with pytest.raises(RuntimeError, match="leaked"):
         lifecycles.finish()
+
+
+class Built(Exception):
+    """Raised in place of building the prompts: the arguments were accepted."""
+
+
+def forbid_building(monkeypatch):
+    def built(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(manager_overhead, "make_prompts", built)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--requests", "16"], f"--requests must be at least {MAX_LIVE + 1}: a request is freed"),
+    (["--requests", "0"], f"--requests must be at least {MAX_LIVE + 1}"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--policy-num-blocks", "-5"], f"--policy-num-blocks must be at least {MIN_BLOCKS}"),
+    (["--policy-num-blocks", str(MIN_BLOCKS - 1)], "--policy-num-blocks must be at least"),
+    (["--policy-num-blocks", str(MAX_POLICY_NUM_BLOCKS + 1)],
+     f"--policy-num-blocks must be at most {MAX_POLICY_NUM_BLOCKS}"),
+    (["--policy-warmup", "-1"], "--policy-warmup must be at least 0"),
+    (["--policies", "lru,nope"], "unknown eviction policies nope"),
+])
+def test_bad_arguments_end_in_a_usage_error_before_anything_is_built(monkeypatch, capsys, argv,
+                                                                     message):
+    forbid_building(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        manager_overhead.main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert message in error
+    assert set(re.findall(r"--[a-z-]+", error)) <= {argv[0]}  # no flag that was not given
+
+
+@pytest.mark.parametrize("argv", [
+    ["--requests", str(MAX_LIVE + 1)],
+    ["--policy-num-blocks", str(MIN_BLOCKS)],
+    ["--policy-num-blocks", str(MAX_POLICY_NUM_BLOCKS)],
+    ["--policy-warmup", "0"],
+])
+def test_the_bounds_themselves_are_accepted(monkeypatch, argv):
+    forbid_building(monkeypatch)
+    with pytest.raises(Built):
+        manager_overhead.main(argv)
+
+
+def test_the_fewest_requests_accepted_are_measured(capsys):
+    argv = ["--requests", str(MAX_LIVE + 1), "--repeats", "1", "--quick", "--policies", "lru",
+            "--policy-num-blocks", str(MIN_BLOCKS), "--policy-warmup", "0"]
+    assert manager_overhead.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["results"][0]["free"]["mean_us"] > 0  # the one request freed, timed
+    assert report["hit_tokens_as_expected"]
+
+
+def test_ctrl_c_ends_in_exit_130_and_a_line_not_a_traceback(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manager_overhead, "run_workload", interrupted)
+    assert manager_overhead.main(["--quick"]) == 130
+    assert capsys.readouterr() == ("", "interrupted\n")
