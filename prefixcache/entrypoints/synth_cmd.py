@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from prefixcache.arg_types import non_negative_int, positive_int
@@ -87,8 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"prefixcache synth: error: {exc}", file=sys.stderr)
         return 2
     if args.output == "-":
-        write_trace(requests, sys.stdout, args.format, args.seed)
-        return 0
+        return _write_stdout(requests, args)
     try:
         with open(args.output, "w", encoding="utf-8") as handle:
             write_trace(requests, handle, args.format, args.seed)
@@ -98,6 +98,47 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {len(requests)} {args.family} requests to {args.output}", file=sys.stderr)
     return 0
+
+
+def _write_stdout(requests, args: argparse.Namespace) -> int:
+    """Write the trace to standard output: 0, or 1 with a one-line error if it cannot be
+    written (closed, or a write fails). A reader that went away (BrokenPipeError) is left
+    to the ``prefixcache`` entry point, which exits 141 quietly."""
+    from prefixcache.sim.workloads import write_trace
+
+    if sys.stdout is None:  # started with stdout closed (``>&-``)
+        # The entry point flushes sys.stdout after every command: give it one that can.
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+        return _stdout_error("it is closed")
+    try:
+        write_trace(requests, sys.stdout, args.format, args.seed)
+        sys.stdout.flush()  # so that a failing final write is reported here
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _discard_stdout()
+        return _stdout_error(exc.strerror or str(exc))
+    return 0
+
+
+def _stdout_error(reason: str) -> int:
+    print(f"prefixcache synth: error: cannot write standard output: {reason}",
+          file=sys.stderr)
+    return 1
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at the null device, so that what is still buffered
+    for it cannot fail again, with a traceback, when the entry point or the interpreter
+    flushes it. A stdout without a file descriptor (tests' capture) is left alone."""
+    try:
+        null_fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null_fd, sys.stdout.fileno())
+        finally:
+            os.close(null_fd)
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        pass
 
 
 def register(subparsers) -> None:

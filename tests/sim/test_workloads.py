@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import random
+import shlex
+import subprocess
+import sys
 from collections import Counter, defaultdict
 
 import pytest
@@ -23,6 +27,7 @@ from prefixcache.sim.workloads import (
     write_trace,
 )
 from prefixcache.sim.workloads.parameter_ranges import check_parameter
+from tests.processes import REPO_ROOT, run_with_reader_gone
 
 # Small prompts, so the token-id format stays small too.
 SMALL = {
@@ -141,6 +146,39 @@ def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
     assert len(load_trace(out).requests) == 50
     assert main(["replay", str(out), "--num-blocks", "100", "--block-size", "512",
                  "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+
+
+def _synth_process(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``prefixcache synth *args`` run as a real process; stderr captured as text."""
+    return subprocess.run([sys.executable, "-m", "prefixcache", "synth", *args],
+                          stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), **kwargs)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("num_requests", ["10", "3000"])  # within the buffer, and beyond
+def test_synth_to_a_full_standard_output_fails_with_one_line(num_requests):
+    with open("/dev/full", "w") as full:
+        result = _synth_process(["chat", "--num-requests", num_requests], stdout=full)
+    assert result.returncode == 1
+    assert result.stderr == ("prefixcache synth: error: cannot write standard output: "
+                             "No space left on device\n")
+
+
+def test_synth_to_a_closed_standard_output_fails_with_one_line():
+    command = shlex.join([sys.executable, "-m", "prefixcache", "synth", "chat",
+                          "--num-requests", "10"]) + " >&-"
+    result = subprocess.run(["sh", "-c", command], stderr=subprocess.PIPE, text=True,
+                            timeout=120, cwd=REPO_ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert result.returncode == 1
+    assert result.stderr == ("prefixcache synth: error: cannot write standard output: "
+                             "it is closed\n")
+
+
+def test_synth_to_a_reader_that_goes_away_exits_quietly():
+    result = run_with_reader_gone(["synth", "chat", "--num-requests", "3000"], timeout=120)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 @pytest.mark.parametrize("argv,message", [
