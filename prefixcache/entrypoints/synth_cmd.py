@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 from prefixcache.arg_types import non_negative_int, positive_int
 
@@ -69,7 +71,7 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
+    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests
 
     if args.list_params:
         workload = WORKLOAD_FAMILIES[args.family]()
@@ -90,8 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.output == "-":
         return _write_stdout(requests, args)
     try:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            write_trace(requests, handle, args.format, args.seed)
+        _write_file(requests, args)
     except OSError as exc:
         print(f"prefixcache synth: error: cannot write {args.output}: {exc.strerror}",
               file=sys.stderr)
@@ -119,6 +120,35 @@ def _write_stdout(requests, args: argparse.Namespace) -> int:
         _discard_stdout()
         return _stdout_error(exc.strerror or str(exc))
     return 0
+
+
+def _write_file(requests, args: argparse.Namespace) -> None:
+    """Write the trace to ``args.output``, replacing a regular file of that name only once
+    the trace is complete: it is written to a temporary file in the same directory, which
+    is renamed over the output at the end and removed on any error or interrupt. An
+    output that exists and is not a regular file (a device, a FIFO) is written directly:
+    renaming over it would replace the device. OSError if it cannot be written."""
+    from prefixcache.sim.workloads import write_trace
+
+    path = os.path.abspath(args.output)
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8") as handle:
+            write_trace(requests, handle, args.format, args.seed)
+        return
+    directory, name = os.path.split(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
+    try:
+        # mkstemp's file is private (0600); give the trace the mode open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with open(fd, "w", encoding="utf-8") as handle:
+            write_trace(requests, handle, args.format, args.seed)
+        os.replace(temporary, path)
+    except BaseException:  # a Ctrl-C too: never leave a partial trace behind
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _stdout_error(reason: str) -> int:

@@ -148,6 +148,40 @@ def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
                  "--quiet", "--json", str(tmp_path / "r.json")]) == 0
 
 
+@pytest.mark.parametrize("failure,exit_code", [(KeyboardInterrupt, 130),
+                                                (OSError(28, "No space left on device"), 1)])
+def test_an_interrupted_synth_leaves_the_previous_file_whole(tmp_path, monkeypatch, capsys,
+                                                             failure, exit_code):
+    import prefixcache.sim.workloads as workloads
+
+    real_write_trace = workloads.write_trace
+
+    def write_half_then_fail(requests, handle, *args):
+        real_write_trace(requests[:len(requests) // 2], handle, *args)
+        handle.flush()
+        raise failure
+
+    out = tmp_path / "chat.jsonl"
+    out.write_text("the previous trace\n")
+    monkeypatch.setattr(workloads, "write_trace", write_half_then_fail)
+    assert main(["synth", "chat", "--num-requests", "50", "-o", str(out)]) == exit_code
+    assert out.read_text() == "the previous trace\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]  # no partial file left
+    monkeypatch.setattr(workloads, "write_trace", real_write_trace)
+    assert main(["synth", "chat", "--num-requests", "50", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 50
+
+
+def test_synth_output_file_gets_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        assert main(["synth", "chat", "--num-requests", "5", "-o",
+                     str(tmp_path / "t.jsonl")]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "t.jsonl").stat().st_mode & 0o777 == 0o644
+
+
 def _synth_process(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     """``prefixcache synth *args`` run as a real process; stderr captured as text."""
     return subprocess.run([sys.executable, "-m", "prefixcache", "synth", *args],
