@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 
-from prefixcache.arg_types import non_negative_int, positive_int
+from prefixcache.arg_types import int_in_range, non_negative_int
 
 DESCRIPTION = """\
 Write a synthetic request trace in one of the shapes serving traffic takes, to replay
@@ -172,7 +172,7 @@ def _discard_stdout() -> None:
 
 
 def register(subparsers) -> None:
-    from prefixcache.sim.workloads import TRACE_FORMATS, WORKLOAD_FAMILIES
+    from prefixcache.sim.workloads import MAX_NUM_REQUESTS, TRACE_FORMATS, WORKLOAD_FAMILIES
 
     parser = subparsers.add_parser(
         "synth", help="write a synthetic request trace (chat, rag, agent, tenants, mixture)",
@@ -180,8 +180,9 @@ def register(subparsers) -> None:
     parser.add_argument("family", choices=list(WORKLOAD_FAMILIES), help="workload family")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="random seed (default %(default)s)")
-    parser.add_argument("--num-requests", type=positive_int, metavar="N",
-                        help="number of requests to write (required)")
+    parser.add_argument("--num-requests", type=int_in_range(1, MAX_NUM_REQUESTS),
+                        metavar="N", help=f"number of requests to write, 1 to "
+                                          f"{MAX_NUM_REQUESTS:,} (required)")
     parser.add_argument("-o", "--output", default="-", metavar="FILE",
                         help="output file (default: standard output)")
     parser.add_argument("--format", choices=TRACE_FORMATS, default="mooncake",

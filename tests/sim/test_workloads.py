@@ -238,6 +238,19 @@ def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("num_requests", ["0", "10000001", "99999999999999999999999999"])
+def test_synth_refuses_a_request_count_out_of_range_as_a_usage_error(num_requests, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["synth", "chat", "--num-requests", num_requests])
+    assert exit_info.value.code == 2
+    assert f"must be in 1..10000000, got {num_requests}" in capsys.readouterr().err
+
+
+def test_generate_requests_refuses_more_than_its_bound():
+    with pytest.raises(ValueError, match="between 1 and 10,000,000, got 10000001"):
+        generate_requests("chat", 1, 10_000_001)
+
+
 def test_synth_help_names_every_family(capsys):
     with pytest.raises(SystemExit):
         main(["synth", "--help"])

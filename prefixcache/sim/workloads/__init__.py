@@ -15,7 +15,11 @@ import random
 from prefixcache.sim.workloads.agent import AgentWorkload
 from prefixcache.sim.workloads.chat import ChatWorkload
 from prefixcache.sim.workloads.mixture import MixtureWorkload
-from prefixcache.sim.workloads.parameter_ranges import PARAMETER_RANGES, check_parameter
+from prefixcache.sim.workloads.parameter_ranges import (
+    MAX_NUM_REQUESTS,
+    PARAMETER_RANGES,
+    check_parameter,
+)
 from prefixcache.sim.workloads.rag import RAGWorkload
 from prefixcache.sim.workloads.synthetic_request import (
     BlockIdInterner,
@@ -52,13 +56,17 @@ def make_workload(family: str, **params):
 
 def generate_requests(family: str, seed: int, num_requests: int,
                       **params) -> list[SyntheticRequest]:
-    """``num_requests`` requests of ``family``, a pure function of the arguments."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    """``num_requests`` requests of ``family``, a pure function of the arguments.
+    ValueError unless 1 <= ``num_requests`` <= :data:`MAX_NUM_REQUESTS`, or as
+    :func:`make_workload` raises it."""
+    if not 1 <= num_requests <= MAX_NUM_REQUESTS:
+        raise ValueError(f"num_requests must be between 1 and {MAX_NUM_REQUESTS:,}, "
+                         f"got {num_requests}")
     return make_workload(family, **params).generate(num_requests, random.Random(seed))
 
 
 __all__ = [
+    "MAX_NUM_REQUESTS",
     "TRACE_FORMATS",
     "WORKLOAD_FAMILIES",
     "AgentWorkload",

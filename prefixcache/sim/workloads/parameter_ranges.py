@@ -21,6 +21,11 @@ SPREAD = (0.0, 10.0)
 #: Zipf exponents: 0 is uniform; beyond 10 nearly every draw is the most popular item.
 ZIPF_EXPONENT = (0.0, 10.0)
 
+#: Requests in one trace: more than any trace worth replaying (the replayer holds a whole
+#: trace in memory), few enough that a mistyped count is refused rather than running
+#: until killed.
+MAX_NUM_REQUESTS = 10_000_000
+
 #: Every family's parameters by name (a name means the same in every family that has it).
 PARAMETER_RANGES: dict[str, tuple[float, float]] = {
     # chat
