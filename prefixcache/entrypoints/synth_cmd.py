@@ -71,7 +71,7 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests
+    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, stream_requests
 
     if args.list_params:
         workload = WORKLOAD_FAMILIES[args.family]()
@@ -85,19 +85,21 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         params = _convert_params(args.family, args.param)
-        requests = generate_requests(args.family, args.seed, args.num_requests, **params)
-    except ValueError as exc:
+        # Each request is written as soon as it is drawn: `synth ... | head -1` returns
+        # at once, and the trace is never held in memory whole.
+        requests = stream_requests(args.family, args.seed, args.num_requests, **params)
+        if args.output == "-":
+            return _write_stdout(requests, args)
+        try:
+            _write_file(requests, args)
+        except OSError as exc:
+            print(f"prefixcache synth: error: cannot write {args.output}: {exc.strerror}",
+                  file=sys.stderr)
+            return 1
+    except ValueError as exc:  # bad parameters, or (found while drawing) no room for a prompt
         print(f"prefixcache synth: error: {exc}", file=sys.stderr)
         return 2
-    if args.output == "-":
-        return _write_stdout(requests, args)
-    try:
-        _write_file(requests, args)
-    except OSError as exc:
-        print(f"prefixcache synth: error: cannot write {args.output}: {exc.strerror}",
-              file=sys.stderr)
-        return 1
-    print(f"wrote {len(requests)} {args.family} requests to {args.output}", file=sys.stderr)
+    print(f"wrote {args.num_requests} {args.family} requests to {args.output}", file=sys.stderr)
     return 0
 
 

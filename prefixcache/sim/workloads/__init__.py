@@ -2,15 +2,18 @@
 eviction policies on more than one trace (``prefixcache synth``; docs/workloads.md).
 
 Each family is a frozen dataclass of documented parameters with
-``generate(num_requests, rng) -> list[SyntheticRequest]``; :func:`generate_requests` runs
-one by name and seed, and :func:`~prefixcache.sim.workloads.synthetic_request.write_trace`
-writes the result in the Mooncake or token-id format the replayer reads.
+``generate(num_requests, rng) -> list[SyntheticRequest]`` (and ``stream``, the same
+requests one at a time); :func:`generate_requests` runs one by name and seed
+(:func:`stream_requests` lazily), and
+:func:`~prefixcache.sim.workloads.synthetic_request.write_trace` writes the result in the
+Mooncake or token-id format the replayer reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 
 from prefixcache.sim.workloads.agent import AgentWorkload
 from prefixcache.sim.workloads.chat import ChatWorkload
@@ -58,11 +61,19 @@ def generate_requests(family: str, seed: int, num_requests: int,
                       **params) -> list[SyntheticRequest]:
     """``num_requests`` requests of ``family``, a pure function of the arguments.
     ValueError unless 1 <= ``num_requests`` <= :data:`MAX_NUM_REQUESTS`, or as
-    :func:`make_workload` raises it."""
+    :func:`make_workload` raises it, or if the parameters leave no room for a prompt."""
+    return list(stream_requests(family, seed, num_requests, **params))
+
+
+def stream_requests(family: str, seed: int, num_requests: int,
+                    **params) -> Iterator[SyntheticRequest]:
+    """The requests :func:`generate_requests` returns, drawn one at a time as they are
+    taken. The arguments are checked (ValueError) before this returns; parameters that
+    leave no room for a prompt are found only while drawing, and raise ValueError then."""
     if not 1 <= num_requests <= MAX_NUM_REQUESTS:
         raise ValueError(f"num_requests must be between 1 and {MAX_NUM_REQUESTS:,}, "
                          f"got {num_requests}")
-    return make_workload(family, **params).generate(num_requests, random.Random(seed))
+    return make_workload(family, **params).stream(num_requests, random.Random(seed))
 
 
 __all__ = [
@@ -78,5 +89,6 @@ __all__ = [
     "TenantsWorkload",
     "generate_requests",
     "make_workload",
+    "stream_requests",
     "write_trace",
 ]

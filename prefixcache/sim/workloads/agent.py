@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefixcache.sim.workloads.parameter_ranges import MAX_SKIPPED_IN_A_ROW, no_room
@@ -37,15 +38,20 @@ class AgentWorkload:
     name = "agent"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
+        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
+        return list(self.stream(num_requests, rng))
+
+    def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
+        """The requests :meth:`generate` returns, one at a time as they are drawn."""
         tool_lengths = [lognormal_tokens(rng, self.tool_context_tokens, 0.3, low=256)
                         for _ in range(self.num_agents)]
-        requests: list[SyntheticRequest] = []
+        num_written = 0
         # (time s, session id, agent, history tokens, steps left, last action)
         pending: list[tuple[float, int, int, int, int, int]] = []
         next_start = 0.0
         num_sessions = 0
         num_skipped_in_a_row = 0
-        while len(requests) < num_requests:
+        while num_written < num_requests:
             if not pending or next_start <= pending[0][0]:
                 now, session = next_start, num_sessions
                 num_sessions += 1
@@ -65,11 +71,11 @@ class AgentWorkload:
                 continue
             num_skipped_in_a_row = 0
             action = lognormal_tokens(rng, self.output_tokens, 0.5, low=1)
-            requests.append(SyntheticRequest(
+            yield SyntheticRequest(
                 int(now * 1000),
                 ((("agent-tools", agent), tool_lengths[agent]), (("agent", session), history)),
-                action))
+                action)
+            num_written += 1
             if steps_left > 1:
                 heapq.heappush(pending, (now + rng.expovariate(1.0 / self.mean_tool_time_s),
                                          session, agent, history, steps_left - 1, action))
-        return requests

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefixcache.sim.workloads.parameter_ranges import MAX_SKIPPED_IN_A_ROW, no_room
@@ -46,16 +47,21 @@ class ChatWorkload:
     name = "chat"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
+        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
+        return list(self.stream(num_requests, rng))
+
+    def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
+        """The requests :meth:`generate` returns, one at a time as they are drawn."""
         system_lengths = [lognormal_tokens(rng, self.system_prompt_tokens, 0.5, low=64)
                           for _ in range(self.num_system_prompts)]
         system_chooser = ZipfChooser(rng, self.num_system_prompts, self.system_prompt_zipf_s)
-        requests: list[SyntheticRequest] = []
+        num_written = 0
         # (time s, conversation id, system prompt, transcript tokens, turns left, last answer)
         pending: list[tuple[float, int, int, int, int, int]] = []
         next_start = 0.0
         num_conversations = 0
         num_skipped_in_a_row = 0
-        while len(requests) < num_requests:
+        while num_written < num_requests:
             if not pending or next_start <= pending[0][0]:
                 now, conversation = next_start, num_conversations
                 num_conversations += 1
@@ -78,13 +84,13 @@ class ChatWorkload:
                 continue
             num_skipped_in_a_row = 0
             answer = lognormal_tokens(rng, self.output_tokens, 0.7, low=1)
-            requests.append(SyntheticRequest(
+            yield SyntheticRequest(
                 int(now * 1000),
                 ((("chat-system", system), system_lengths[system]),
                  (("chat", conversation), transcript)),
-                answer))
+                answer)
+            num_written += 1
             if turns_left > 1:
                 think = self.think_time_s * math.exp(rng.gauss(0.0, self.think_time_sigma))
                 heapq.heappush(pending, (now + think, conversation, system, transcript,
                                          turns_left - 1, answer))
-        return requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from prefixcache.sim.workloads.agent import AgentWorkload
@@ -37,24 +38,30 @@ class MixtureWorkload:
     name = "mixture"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
+        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
+        return list(self.stream(num_requests, rng))
+
+    def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
+        """The requests :meth:`generate` returns, one at a time as they are drawn."""
         drift = self.popularity_drift_every
         families = [self.chat, replace(self.rag, popularity_drift_every=drift), self.agent,
                     replace(self.tenants, popularity_drift_every=drift)]
-        # Each family could in the worst case supply every request.
-        streams = [iter(family.generate(num_requests, random.Random(rng.random())))
+        # Each family could in the worst case supply every request. Each draws from its own
+        # generator, seeded here, so drawing its requests lazily gives the same ones.
+        streams = [family.stream(num_requests, random.Random(rng.random()))
                    for family in families]
         num_phases = max(1, min(self.num_phases, num_requests))
-        requests: list[SyntheticRequest] = []
+        num_written = 0
         now = 0.0
         for phase in range(num_phases):
             weights = [rng.gammavariate(self.share_concentration, 1.0) for _ in families]
             if not any(weights):  # every draw underflowed to 0 (a tiny concentration)
                 weights = [1.0] * len(families)
             end = (phase + 1) * num_requests // num_phases
-            while len(requests) < end:
+            while num_written < end:
                 stream = streams[rng.choices(range(len(families)), weights)[0]]
                 now += rng.expovariate(self.requests_per_s)
                 request = next(stream)
-                requests.append(SyntheticRequest(int(now * 1000), request.segments,
-                                                 request.output_length))
-        return requests
+                yield SyntheticRequest(int(now * 1000), request.segments,
+                                       request.output_length)
+                num_written += 1

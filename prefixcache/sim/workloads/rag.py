@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefixcache.sim.workloads.sampling import ZipfChooser, lognormal_tokens
@@ -34,11 +35,15 @@ class RAGWorkload:
     name = "rag"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
+        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
+        return list(self.stream(num_requests, rng))
+
+    def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
+        """The requests :meth:`generate` returns, one at a time as they are drawn."""
         document_lengths = [lognormal_tokens(rng, self.document_tokens, 0.6, low=256,
                                              high=60_000)
                             for _ in range(self.num_documents)]
         chooser = ZipfChooser(rng, self.num_documents, self.zipf_s)
-        requests: list[SyntheticRequest] = []
         now = 0.0
         previous: SyntheticRequest | None = None
         for index in range(num_requests):
@@ -58,5 +63,4 @@ class RAGWorkload:
                             (("rag-document", document), document_lengths[document]),
                             (("rag-thread", index), question))
             previous = SyntheticRequest(int(now * 1000), segments, answer)
-            requests.append(previous)
-        return requests
+            yield previous

@@ -85,10 +85,11 @@ def stream_token_ids(seed: int, stream: Hashable, length: int) -> list[int]:
     return [token & 0x7FFF for token in array("H", data)]
 
 
-def write_trace(requests: list[SyntheticRequest], handle: TextIO, trace_format: str,
+def write_trace(requests: Iterable[SyntheticRequest], handle: TextIO, trace_format: str,
                 seed: int) -> None:
-    """Write ``requests`` as JSON lines: ``mooncake`` (hash ids of 512-token blocks) or
-    ``token-ids`` (``{"timestamp", "prompt_token_ids", "output_length"}``)."""
+    """Write ``requests`` as JSON lines, each as soon as it is taken from ``requests``:
+    ``mooncake`` (hash ids of 512-token blocks) or ``token-ids`` (``{"timestamp",
+    "prompt_token_ids", "output_length"}``)."""
     if trace_format == "mooncake":
         interner = BlockIdInterner()
         for request in requests:

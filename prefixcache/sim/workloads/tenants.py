@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefixcache.sim.workloads.sampling import ZipfChooser, lognormal_tokens
@@ -35,15 +36,20 @@ class TenantsWorkload:
     name = "tenants"
 
     def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
+        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
+        return list(self.stream(num_requests, rng))
+
+    def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
+        """The requests :meth:`generate` returns, one at a time as they are drawn."""
         system_lengths = [lognormal_tokens(rng, self.system_prompt_tokens, 0.9, low=64,
                                            high=24_000)
                           for _ in range(self.num_tenants)]
         chooser = ZipfChooser(rng, self.num_tenants, self.zipf_s)
-        requests: list[SyntheticRequest] = []
+        num_written = 0
         follow_ups: list[tuple[float, int, SyntheticRequest]] = []  # (time s, order, parent)
         now = 0.0
         num_first = 0
-        while len(requests) < num_requests:
+        while num_written < num_requests:
             next_arrival = now + rng.expovariate(self.requests_per_s)
             if follow_ups and follow_ups[0][0] <= next_arrival:
                 when, _, parent = heapq.heappop(follow_ups)
@@ -51,9 +57,10 @@ class TenantsWorkload:
                 tenant_segment, (thread, length) = parent.segments
                 extra = parent.output_length + lognormal_tokens(rng, self.user_tokens, 0.7,
                                                                 low=8)
-                requests.append(SyntheticRequest(
+                yield SyntheticRequest(
                     int(when * 1000), (tenant_segment, (thread, length + extra)),
-                    lognormal_tokens(rng, self.output_tokens, 0.6, low=1)))
+                    lognormal_tokens(rng, self.output_tokens, 0.6, low=1))
+                num_written += 1
                 continue
             now = next_arrival
             if self.popularity_drift_every and num_first and \
@@ -67,8 +74,8 @@ class TenantsWorkload:
                  (("tenant-thread", num_first), lognormal_tokens(rng, self.user_tokens, 0.7,
                                                                  low=8))),
                 lognormal_tokens(rng, self.output_tokens, 0.6, low=1))
-            requests.append(request)
+            yield request
+            num_written += 1
             if rng.random() < self.follow_up_probability:
                 heapq.heappush(follow_ups, (now + rng.expovariate(1.0 / self.follow_up_delay_s),
                                             num_first, request))
-        return requests
