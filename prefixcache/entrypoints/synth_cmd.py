@@ -88,19 +88,37 @@ def _run(args: argparse.Namespace) -> int:
         # Each request is written as soon as it is drawn: `synth ... | head -1` returns
         # at once, and the trace is never held in memory whole.
         requests = stream_requests(args.family, args.seed, args.num_requests, **params)
-        if args.output == "-":
-            return _write_stdout(requests, args)
-        try:
-            _write_file(requests, args)
-        except OSError as exc:
-            print(f"prefixcache synth: error: cannot write {args.output}: {exc.strerror}",
-                  file=sys.stderr)
-            return 1
+        with _progress_bar(requests, args) as requests:
+            if args.output == "-":
+                return _write_stdout(requests, args)
+            try:
+                _write_file(requests, args)
+            except OSError as exc:
+                print(f"prefixcache synth: error: cannot write {args.output}: "
+                      f"{exc.strerror}", file=sys.stderr)
+                return 1
     except ValueError as exc:  # bad parameters, or (found while drawing) no room for a prompt
         print(f"prefixcache synth: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.num_requests} {args.family} requests to {args.output}", file=sys.stderr)
     return 0
+
+
+#: A generation draws a progress bar (tqdm's, like `prefixcache replay`) once it has run
+#: this long: a shorter one would only flash a bar on the terminal.
+PROGRESS_DELAY_S = 2.0
+
+
+def _progress_bar(requests, args: argparse.Namespace):
+    """``requests`` wrapped in a tqdm bar on stderr, drawn only if stderr is a terminal
+    and the trace is not going to that terminal too, and only after
+    :data:`PROGRESS_DELAY_S`; a context manager that closes the bar."""
+    from tqdm import tqdm
+
+    to_terminal = args.output == "-" and sys.stdout is not None and sys.stdout.isatty()
+    return tqdm(requests, total=args.num_requests, desc="generating", unit="req",
+                file=sys.stderr, delay=PROGRESS_DELAY_S,
+                disable=not sys.stderr.isatty() or to_terminal)
 
 
 def _write_stdout(requests, args: argparse.Namespace) -> int:

@@ -226,6 +226,21 @@ def test_synth_output_file_gets_the_usual_permissions(tmp_path):
     assert (tmp_path / "t.jsonl").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.parametrize("tty,shown", [(True, True), (False, False)])
+def test_synth_shows_progress_only_on_a_terminal(tmp_path, capsys, monkeypatch, tty, shown):
+    import prefixcache.entrypoints.synth_cmd as synth_cmd
+
+    monkeypatch.setattr(synth_cmd, "PROGRESS_DELAY_S", 0)  # as for a long generation
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    out = tmp_path / "chat.jsonl"
+    assert main(["synth", "chat", "--num-requests", "300", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert ("generating" in err and "300/300" in err) == shown
+    assert err.endswith(f"wrote 300 chat requests to {out}\n")
+    if not shown:
+        assert err == f"wrote 300 chat requests to {out}\n"
+
+
 def _synth_process(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     """``prefixcache synth *args`` run as a real process; stderr captured as text."""
     return subprocess.run([sys.executable, "-m", "prefixcache", "synth", *args],
