@@ -291,6 +291,17 @@ def test_synth_to_a_reader_that_goes_away_exits_quietly():
     (["synth", "tenants", "--num-requests", "5", "--param", "follow_up_probability=1.5"],
      "follow_up_probability must be between 0 and 1"),
     (["synth", "chat"], "--num-requests is required"),
+    # A drift reshuffles every document or tenant: these took a minute for 100 requests.
+    (["synth", "rag", "--num-requests", "100", "--param", "num_documents=1000000",
+      "--param", "popularity_drift_every=1"],
+     "rag: with num_documents=1,000,000, popularity_drift_every must be 0 or at least "
+     "10,000"),
+    (["synth", "tenants", "--num-requests", "100", "--param", "num_tenants=1000000",
+      "--param", "popularity_drift_every=9999"],
+     "popularity_drift_every must be 0 or at least 10,000"),
+    (["synth", "mixture", "--num-requests", "5", "--param", "popularity_drift_every=14"],
+     "mixture's rag: with num_documents=1,500, popularity_drift_every must be 0 or at "
+     "least 15"),
 ])
 def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
     assert main(argv) == 2
@@ -308,6 +319,18 @@ def test_synth_refuses_a_request_count_out_of_range_as_a_usage_error(num_request
 def test_generate_requests_refuses_more_than_its_bound():
     with pytest.raises(ValueError, match="between 1 and 10,000,000, got 10000001"):
         generate_requests("chat", 1, 10_000_001)
+
+
+@pytest.mark.parametrize("family,params", [
+    ("rag", {"num_documents": 1000, "popularity_drift_every": 10}),  # the bound itself
+    ("tenants", {"num_tenants": 1_000_000, "popularity_drift_every": 10_000}),
+    ("mixture", {"popularity_drift_every": 15}),
+    # As docs/benchmarks.md's traces L and T8 use them.
+    ("rag", {"num_documents": 5000, "zipf_s": 1.1, "popularity_drift_every": 600}),
+    ("tenants", {"num_tenants": 1000, "zipf_s": 0.9, "popularity_drift_every": 500}),
+])
+def test_drifts_within_the_bound_are_allowed(family, params):
+    assert len(generate_requests(family, 1, 30, **params)) == 30
 
 
 def test_synth_help_names_every_family(capsys):

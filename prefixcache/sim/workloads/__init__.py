@@ -19,8 +19,10 @@ from prefixcache.sim.workloads.agent import AgentWorkload
 from prefixcache.sim.workloads.chat import ChatWorkload
 from prefixcache.sim.workloads.mixture import MixtureWorkload
 from prefixcache.sim.workloads.parameter_ranges import (
+    DRIFTING_COUNTS,
     MAX_NUM_REQUESTS,
     PARAMETER_RANGES,
+    check_drift_cost,
     check_parameter,
 )
 from prefixcache.sim.workloads.rag import RAGWorkload
@@ -39,8 +41,10 @@ TRACE_FORMATS = ("mooncake", "token-ids")
 
 def make_workload(family: str, **params):
     """The workload of ``family`` with ``params`` overriding its defaults. Raises
-    ValueError for an unknown family or parameter, or a value out of the parameter's
-    range (:data:`~prefixcache.sim.workloads.parameter_ranges.PARAMETER_RANGES`)."""
+    ValueError for an unknown family or parameter, a value out of the parameter's range
+    (:data:`~prefixcache.sim.workloads.parameter_ranges.PARAMETER_RANGES`), or a
+    popularity drift too frequent for the number of items it reshuffles
+    (:func:`~prefixcache.sim.workloads.parameter_ranges.check_drift_cost`)."""
     try:
         workload_class = WORKLOAD_FAMILIES[family]
     except KeyError:
@@ -54,7 +58,15 @@ def make_workload(family: str, **params):
     for name, value in params.items():
         if name in PARAMETER_RANGES:  # not the families inside a mixture
             check_parameter(name, value)
-    return workload_class(**params)
+    workload = workload_class(**params)
+    # A mixture's RAG and tenant traffic drift at the mixture's pace.
+    parts = [workload.rag, workload.tenants] if family == "mixture" else [workload]
+    for part in parts:
+        if part.name in DRIFTING_COUNTS:
+            check_drift_cost(family if part is workload else f"{family}'s {part.name}",
+                             part.name, getattr(part, DRIFTING_COUNTS[part.name]),
+                             workload.popularity_drift_every)
+    return workload
 
 
 def generate_requests(family: str, seed: int, num_requests: int,

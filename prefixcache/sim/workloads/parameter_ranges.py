@@ -81,6 +81,27 @@ def _readable(bound: float) -> str:
     return f"{bound:,}" if isinstance(bound, int) else f"{bound:g}"
 
 
+#: A popularity drift reshuffles every document (tenant): its cost grows with their
+#: number, not with the trace. So there may be at most this many of them per request
+#: between drifts (``popularity_drift_every``), which bounds what drifting adds to a
+#: request at a shuffle of this many items, tens of microseconds; a million documents
+#: redrawn every request took 0.65 s a request. Every value the docs use is far within.
+MAX_DRIFTING_ITEMS_PER_REQUEST = 100
+#: The family whose popularity drifts, and the parameter counting what is reshuffled.
+DRIFTING_COUNTS = {"rag": "num_documents", "tenants": "num_tenants"}
+
+
+def check_drift_cost(workload: str, family: str, num_items: int, drift_every: int) -> None:
+    """ValueError, naming ``workload`` and the least ``popularity_drift_every`` allowed,
+    if ``family``'s ``num_items`` (its :data:`DRIFTING_COUNTS` parameter) are more than
+    :data:`MAX_DRIFTING_ITEMS_PER_REQUEST` per request between drifts; 0 is no drift."""
+    if drift_every and num_items > MAX_DRIFTING_ITEMS_PER_REQUEST * drift_every:
+        least = -(-num_items // MAX_DRIFTING_ITEMS_PER_REQUEST)
+        raise ValueError(f"{workload}: with {DRIFTING_COUNTS[family]}={num_items:,}, "
+                         f"popularity_drift_every must be 0 or at least {least:,} (each "
+                         f"drift reshuffles all {num_items:,}), got {drift_every:,}")
+
+
 #: Chat and agent traffic skip a turn whose prompt would pass ``max_context_tokens``. A
 #: trace from sensible parameters skips a few in a row at most; this many in a row means
 #: the parameters leave no room for a request, and generation stops with a ValueError
