@@ -41,9 +41,11 @@ Example:
 
 
 def _param(text: str) -> tuple[str, str]:
+    from prefixcache.sim.workloads.parameter_ranges import shortened
+
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {shortened(text)}")
     return name.strip(), value.strip()
 
 
@@ -51,12 +53,13 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
     """``--param`` pairs as typed values of the family's fields; ValueError if unknown
     or of the wrong type (a value out of range is the workload's to refuse)."""
     from prefixcache.sim.workloads import WORKLOAD_FAMILIES
+    from prefixcache.sim.workloads.parameter_ranges import shortened
 
     fields = {f.name: f for f in dataclasses.fields(WORKLOAD_FAMILIES[family])}
     params = {}
     for name, text in pairs:
         if name not in fields:
-            raise ValueError(f"{family} has no parameter {name!r}; its parameters: "
+            raise ValueError(f"{family} has no parameter {shortened(name)}; its parameters: "
                              f"{', '.join(sorted(fields))}")
         default = getattr(WORKLOAD_FAMILIES[family](), name)
         if isinstance(default, bool) or not isinstance(default, (int, float)):
@@ -64,8 +67,8 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
         try:
             value = type(default)(text)
         except ValueError:
-            raise ValueError(f"{name} must be {type(default).__name__}, got {text!r}") \
-                from None
+            raise ValueError(f"{name} must be {type(default).__name__}, "
+                             f"got {shortened(text)}") from None
         params[name] = value  # its range is checked with the others' by make_workload
     return params
 

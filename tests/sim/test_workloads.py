@@ -308,6 +308,25 @@ def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("param,message", [
+    ("zipf_s=" + "x" * 5000, "zipf_s must be float, got 'xxxx"),
+    ("num_documents=" + "9" * 4000, "num_documents must be between 1 and 1,000,000, got 9999"),
+    ("n" * 5000 + "=1", "rag has no parameter 'nnnn"),
+])
+def test_a_long_bad_value_is_quoted_short(param, message, capsys):
+    assert main(["synth", "rag", "--num-requests", "5", "--param", param]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "characters)" in err
+    assert len(err) < 400
+
+
+def test_a_long_parameter_without_a_value_is_quoted_short(capsys):
+    with pytest.raises(SystemExit):
+        main(["synth", "rag", "--num-requests", "5", "--param", "n" * 5000])
+    err = capsys.readouterr().err
+    assert "expected NAME=VALUE, got 'nnnn" in err and len(err) < 800
+
+
 @pytest.mark.parametrize("num_requests", ["0", "10000001", "99999999999999999999999999"])
 def test_synth_refuses_a_request_count_out_of_range_as_a_usage_error(num_requests, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -74,7 +74,16 @@ def check_parameter(name: str, value: float) -> None:
     low, high = PARAMETER_RANGES[name]
     if not (isinstance(value, int | float) and low <= value <= high):
         raise ValueError(f"{name} must be between {_readable(low)} and {_readable(high)}, "
-                         f"got {value!r}")
+                         f"got {shortened(value)}")
+
+
+def shortened(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to its first ``limit`` characters and its length if longer:
+    an error message quotes what it refuses without repeating thousands of characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _readable(bound: float) -> str:
