@@ -86,14 +86,27 @@ def _non_negative_int(obj: dict, key: str, default: int | None = None) -> int:
     return value
 
 
+def _brief(value) -> str:
+    """``value`` for an error message: an integer too long to print usefully (or at all:
+    ``repr`` refuses past 4,300 digits) is named by its size."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
 def _timestamp(obj: dict) -> float | None:
     value = obj.get("timestamp")
     if value is None:
         return None
-    if type(value) not in (int, float) or not 0 <= value < math.inf:
-        raise ValueError(f"'timestamp' must be a finite non-negative number of ms, "
-                         f"got {value!r}")
-    return float(value)
+    if type(value) in (int, float):
+        try:
+            timestamp = float(value)
+        except OverflowError:  # an integer beyond the largest float is not finite either
+            timestamp = math.inf
+        if 0 <= timestamp < math.inf:
+            return timestamp
+    raise ValueError(f"'timestamp' must be a finite non-negative number of ms, "
+                     f"got {_brief(value)}")
 
 
 def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:

@@ -127,3 +127,16 @@ def test_dash_reads_standard_input_as_utf8(monkeypatch):
     assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
     assert trace.path == "<stdin>" and trace.first_bad_line.startswith("<stdin>:2: ")
     assert not stdin.buffer.closed  # sys.stdin is still usable afterwards
+
+
+@pytest.mark.parametrize("line", [
+    {"input_length": 10, "hash_ids": [1], "timestamp": 10**400},
+    {"prompt_token_ids": [1, 2], "timestamp": 10**400},
+])
+def test_a_timestamp_beyond_any_float_is_a_bad_line(tmp_path, line):
+    path = write_lines(tmp_path / "t.jsonl", [line, [3]])
+    with pytest.raises(TraceFormatError,
+                       match=r"t\.jsonl:1: 'timestamp' must be a finite .* 1329 bits"):
+        load_trace(path)
+    trace = load_trace(path, skip_bad_lines=True)
+    assert [r.token_ids for r in trace.requests] == [(3,)] and trace.num_bad_lines == 1
