@@ -25,6 +25,7 @@ Trace formats (JSON lines, chosen per line):
              input_length % block-size tokens are unique to the request.
   token ids  [1, 2, 3, ...]  or  {"prompt_token_ids": [...], "timestamp": ms,
              "output_length": m}   (timestamp and output_length optional)
+A request's prompt and its output are each at most 16,777,216 tokens (docs/trace-formats.md).
 
 Each request is looked up, allocated its prompt plus output_length decode slots, held
 while live, then freed. Modes:

@@ -15,6 +15,10 @@ A line that is not valid JSON (including JSON nested too deeply to parse) or doe
 a format raises :class:`TraceFormatError` naming the file and line, unless ``skip_bad_lines``
 is set: then the line is skipped and counted in :attr:`Trace.num_bad_lines`.
 
+A request's prompt and its output are each at most :data:`MAX_REQUEST_TOKENS` tokens
+(2**24 = 16,777,216); a longer one is a bad line. A replay builds token lists and block
+tables as long as a request, so without a bound one short line could ask for terabytes.
+
 Files are UTF-8, with or without a byte-order mark. The path ``-`` stands for standard
 input (named ``<stdin>`` in messages).
 """
@@ -34,6 +38,9 @@ from prefixcache.core import cdiv
 MOONCAKE_BLOCK_SIZE = 512
 STDIN_PATH = "-"
 STDIN_NAME = "<stdin>"
+# The longest prompt, and the longest output, of one request: far beyond any model's
+# context today, yet small enough that one request's lists and block table fit in memory.
+MAX_REQUEST_TOKENS = 1 << 24
 _TOKEN_ID_BOUND = 1 << 63  # token ids are hashed as signed 64-bit integers
 
 
@@ -75,14 +82,22 @@ def _is_int(value) -> bool:
     return type(value) is int  # bool is an int subclass but never a valid length or id
 
 
-def _non_negative_int(obj: dict, key: str, default: int | None = None) -> int:
+def _check_num_tokens(key: str, value: int) -> None:
+    if value > MAX_REQUEST_TOKENS:
+        raise ValueError(f"{key!r} must be at most {MAX_REQUEST_TOKENS:,} tokens (the "
+                         f"limit per request), got {_brief(value)}")
+
+
+def _num_tokens(obj: dict, key: str, default: int | None = None) -> int:
+    """A token count: a non-negative integer up to :data:`MAX_REQUEST_TOKENS`."""
     if key not in obj:
         if default is None:
             raise ValueError(f"missing field {key!r}")
         return default
     value = obj[key]
     if not _is_int(value) or value < 0:
-        raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+        raise ValueError(f"{key!r} must be a non-negative integer, got {_brief(value)}")
+    _check_num_tokens(key, value)
     return value
 
 
@@ -114,14 +129,15 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
         raise ValueError("prompt_token_ids must be a non-empty list of integers")
     if not all(_is_int(v) and 0 <= v < _TOKEN_ID_BOUND for v in values):
         raise ValueError("prompt_token_ids must hold only non-negative integers below 2**63")
-    output_length = 0 if obj is None else _non_negative_int(obj, "output_length", 0)
+    _check_num_tokens("prompt_token_ids", len(values))
+    output_length = 0 if obj is None else _num_tokens(obj, "output_length", 0)
     timestamp = None if obj is None else _timestamp(obj)
     return TraceRequest(line_no, len(values), output_length, timestamp,
                         token_ids=tuple(values))
 
 
 def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:
-    input_length = _non_negative_int(obj, "input_length")
+    input_length = _num_tokens(obj, "input_length")
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
     hash_ids = obj["hash_ids"]
@@ -133,7 +149,7 @@ def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
             f"(one per {MOONCAKE_BLOCK_SIZE}-token block, the last one possibly partial)"
         )
-    return TraceRequest(line_no, input_length, _non_negative_int(obj, "output_length", 0),
+    return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
                         _timestamp(obj), hash_ids=tuple(hash_ids))
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints.cli import main
+from prefixcache.sim.trace import MAX_REQUEST_TOKENS
 from tests.data_paths import MOONCAKE_TRACE_PATH
 from tests.processes import run_with_reader_gone
 from tests.sim.helpers import write_lines
@@ -244,6 +245,19 @@ def test_clear_errors(tmp_path, capsys):
     assert main(["replay", str(bad), "--num-blocks", "8", "--timeline", "--skip-bad-lines"]) == 1
     assert "needs a 'timestamp'" in capsys.readouterr().err
 
+    huge = write_lines(tmp_path / "huge.jsonl", [
+        {"input_length": 10, "output_length": 10**30, "hash_ids": [1]},
+        {"input_length": 10, "output_length": 10**10, "hash_ids": [1]},
+        [1, 2, 3]])
+    assert main(["replay", str(huge), "--num-blocks", "8", "--no-decode-slots"]) == 1
+    err = capsys.readouterr().err
+    assert "huge.jsonl:1: 'output_length' must be at most 16,777,216" in err
+    assert main(["replay", str(huge), "--num-blocks", "8", "--block-size", "2",
+                 "--no-decode-slots", "--skip-bad-lines", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 2 malformed line" in captured.err
+    assert re.search(r"^requests +1$", captured.out, re.M)
+
     mooncake = write_lines(tmp_path / "m.jsonl", [
         {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}])
     assert main(["replay", str(mooncake), "--num-blocks", "8", "--block-size", "100"]) == 1
@@ -278,7 +292,7 @@ def test_help_explains_formats_and_modes(capsys):
     text = " ".join(capsys.readouterr().out.split())  # help lines wrap anywhere
     for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
                    "--kv-bytes-per-token", "--skip-bad-lines", "rejected", "standard input",
-                   "the format follows the extension"):
+                   "the format follows the extension", f"{MAX_REQUEST_TOKENS:,} tokens"):
         assert phrase in text
 
 

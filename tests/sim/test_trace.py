@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import sys
 
 import pytest
 
-from prefixcache.sim.trace import TraceFormatError, load_trace, parse_line
+from prefixcache.sim.trace import MAX_REQUEST_TOKENS, TraceFormatError, load_trace, parse_line
 from tests.data_paths import MOONCAKE_TRACE_PATH
 from tests.sim.helpers import trace_prefix, write_lines
 
@@ -61,6 +62,14 @@ def test_token_id_formats(tmp_path):
     (f"[1, {2**63}]", "below 2\\*\\*63"),
     ('{"input_length": 10, "hash_ids": [1], "output_length": 1.5}', "'output_length'"),
     ('{"input_length": true, "hash_ids": [1]}', "'input_length'"),
+    ('{"input_length": 16777217, "hash_ids": [1]}',
+     "'input_length' must be at most 16,777,216 tokens"),
+    ('{"input_length": 10, "hash_ids": [1], "output_length": 16777217}',
+     "'output_length' must be at most 16,777,216 tokens"),
+    (f'{{"input_length": 10, "hash_ids": [1], "output_length": {10**30}}}',
+     "'output_length' must be at most .* got an integer of 100 bits"),
+    (f'{{"prompt_token_ids": [1], "output_length": {10**12}}}',
+     "'output_length' must be at most 16,777,216 tokens"),
 ])
 def test_bad_line_reasons(text, reason):
     with pytest.raises(ValueError, match=reason):
@@ -140,3 +149,10 @@ def test_a_timestamp_beyond_any_float_is_a_bad_line(tmp_path, line):
         load_trace(path)
     trace = load_trace(path, skip_bad_lines=True)
     assert [r.token_ids for r in trace.requests] == [(3,)] and trace.num_bad_lines == 1
+
+
+def test_a_request_at_the_token_limit_is_accepted():
+    n = MAX_REQUEST_TOKENS
+    request = parse_line(json.dumps({"input_length": n, "output_length": n,
+                                     "hash_ids": list(range(n // 512))}), 1)
+    assert (request.input_length, request.output_length) == (2**24, 2**24)
