@@ -7,7 +7,8 @@ Modules keep heavy imports (torch, fastapi, ...) inside their ``func`` so that
 
 When the reader of stdout goes away (``prefixcache replay ... | head -3``), the command
 stops quietly with exit code 141 (128 + SIGPIPE), as a command killed by SIGPIPE would:
-no traceback, nothing on stderr.
+no traceback, nothing on stderr. Running out of memory is one line on stderr and exit
+code 1, not a traceback.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+    except MemoryError:
+        # The failed allocation's objects are gone by now, so there is room to say so.
+        print(f"prefixcache {args.command}: error: out of memory (the inputs need more "
+              "memory than this machine has)", file=sys.stderr)
+        return 1
 
 
 def _discard_stdout() -> None:

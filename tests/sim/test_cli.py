@@ -264,6 +264,17 @@ def test_clear_errors(tmp_path, capsys):
     assert "does not divide" in capsys.readouterr().err
 
 
+def test_running_out_of_memory_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def replay(*args, **kwargs):
+        raise MemoryError
+    # the module, not the function that prefixcache.sim exports under the same name
+    monkeypatch.setattr(sys.modules["prefixcache.sim.replay"], "replay", replay)
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    assert main(["replay", str(path), "--num-blocks", "8", "--quiet"]) == 1
+    assert capsys.readouterr().err == ("prefixcache replay: error: out of memory (the inputs "
+                                       "need more memory than this machine has)\n")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-blocks", "0"], "must be >= 1"),
     (["--sweep", "10,x"], "not an integer"),
