@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = int(args.func(args) or 0)
         # Output still buffered meets a closed pipe here, where it is handled, rather
         # than in the interpreter's final flush, which can only print a traceback.
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None when started with file descriptor 1 closed
+            sys.stdout.flush()
         return exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -229,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check_option_combinations(args)
     _check_files_apart(args)
+    if sys.stdout is None:  # started with file descriptor 1 closed: print() would drop all
+        return _error("standard output is closed: nowhere to print the figures")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         reason = path and _why_not_writable(path)
         if reason:

@@ -19,19 +19,18 @@ A request's prompt and its output are each at most :data:`MAX_REQUEST_TOKENS` to
 (2**24 = 16,777,216); a longer one is a bad line. A replay builds token lists and block
 tables as long as a request, so without a bound one short line could ask for terabytes.
 
-Files are UTF-8, with or without a byte-order mark. The path ``-`` stands for standard
-input (named ``<stdin>`` in messages).
+Files are UTF-8, with or without a byte-order mark; a line that is not UTF-8 is a bad
+line. The path ``-`` stands for standard input (named ``<stdin>`` in messages).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 from prefixcache.core import cdiv
 
@@ -174,13 +173,7 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
     raise ValueError("expected 'hash_ids' (Mooncake format) or 'prompt_token_ids'")
 
 
-def _open_stdin() -> TextIO:
-    """Standard input as UTF-8 text whatever the locale says (a trace's encoding does not
-    depend on who pipes it in); a text stream without a byte buffer is used as it is."""
-    buffer = getattr(sys.stdin, "buffer", None)
-    if buffer is None:
-        return sys.stdin
-    return io.TextIOWrapper(buffer, encoding="utf-8-sig")
+_BYTE_ORDER_MARK = "\ufeff"
 
 
 def load_trace(path: str | Path, skip_bad_lines: bool = False,
@@ -188,20 +181,20 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
     """Parse a trace file, or standard input for ``-``; at most ``max_requests`` requests
     (all when None).
 
-    Raises :class:`TraceFormatError` for a missing or unreadable file, a bad line (unless
-    ``skip_bad_lines``), or a file with no requests.
+    Raises :class:`TraceFormatError` for a missing or unreadable file (or a closed standard
+    input), a bad line (unless ``skip_bad_lines``), or a trace with no requests.
     """
     if str(path) == STDIN_PATH:
-        handle = _open_stdin()
-        try:
-            return _read_trace(handle, STDIN_NAME, skip_bad_lines, max_requests)
-        finally:
-            if handle is not sys.stdin:
-                handle.detach()  # leave sys.stdin's buffer open for its owner
+        if sys.stdin is None:  # the process was started with file descriptor 0 closed
+            raise TraceFormatError(f"{STDIN_NAME}: standard input is closed")
+        # Its bytes, decoded here as UTF-8 whatever the locale says (a trace's encoding
+        # does not depend on who pipes it in); a text stream without a byte buffer is
+        # read as it is.
+        return _read_trace(getattr(sys.stdin, "buffer", sys.stdin), STDIN_NAME,
+                           skip_bad_lines, max_requests)
     path = Path(path)
     try:
-        # utf-8-sig: editors on Windows start UTF-8 files with a byte-order mark.
-        handle = path.open("r", encoding="utf-8-sig")
+        handle = path.open("rb")
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such trace file") from None
     except OSError as exc:
@@ -210,17 +203,32 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
         return _read_trace(handle, str(path), skip_bad_lines, max_requests)
 
 
-def _read_trace(handle: TextIO, path: str, skip_bad_lines: bool,
+def _decode(line: bytes | str, line_no: int) -> str:
+    """One line as text: UTF-8, decoded line by line so that one bad line is a bad line,
+    not the end of the trace; a byte-order mark (editors on Windows start UTF-8 files
+    with one) is dropped from the first."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
+    if line_no == 1 and line.startswith(_BYTE_ORDER_MARK):
+        line = line[1:]
+    return line
+
+
+def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
                 max_requests: int | None) -> Trace:
     trace = Trace(path)
+    line_no = 0
     try:
-        for line_no, text in enumerate(handle, start=1):
+        for line_no, line in enumerate(lines, start=1):
             if max_requests is not None and len(trace.requests) >= max_requests:
                 break
-            if not text.strip():
-                continue
             try:
-                trace.requests.append(parse_line(text, line_no))
+                text = _decode(line, line_no)
+                if text.strip():
+                    trace.requests.append(parse_line(text, line_no))
             except (ValueError, KeyError, TypeError) as exc:
                 reason = f"{path}:{line_no}: {exc}"
                 if not skip_bad_lines:
@@ -230,8 +238,11 @@ def _read_trace(handle: TextIO, path: str, skip_bad_lines: bool,
                 trace.num_bad_lines += 1
                 if trace.first_bad_line is None:
                     trace.first_bad_line = reason
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+    except OSError as exc:  # opened, but reading failed (an I/O error, /proc/self/mem)
+        raise TraceFormatError(f"{path}: cannot read trace after line {line_no}: "
+                               f"{exc.strerror or exc}") from None
     if not trace.requests:
-        raise TraceFormatError(f"{path}: no requests in the trace")
+        skipped = (f" ({trace.num_bad_lines} malformed line(s) skipped; first: "
+                   f"{trace.first_bad_line})" if trace.num_bad_lines else "")
+        raise TraceFormatError(f"{path}: no requests in the trace{skipped}")
     return trace

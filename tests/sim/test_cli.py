@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 
@@ -273,6 +274,24 @@ def test_running_out_of_memory_is_one_line_not_a_traceback(tmp_path, capsys, mon
     assert main(["replay", str(path), "--num-blocks", "8", "--quiet"]) == 1
     assert capsys.readouterr().err == ("prefixcache replay: error: out of memory (the inputs "
                                        "need more memory than this machine has)\n")
+
+
+def test_closed_or_unreadable_standard_streams_and_files_are_one_line_errors(tmp_path, capsys,
+                                                                             monkeypatch):
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stdin", None)  # what Python sets when fd 0 is closed
+        assert main(["replay", "-", "--num-blocks", "8"]) == 1
+    assert capsys.readouterr().err == ("prefixcache replay: error: <stdin>: standard input "
+                                       "is closed\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", None)
+        assert main(["replay", str(path), "--num-blocks", "8"]) == 1
+    assert capsys.readouterr().err == ("prefixcache replay: error: standard output is "
+                                       "closed: nowhere to print the figures\n")
+    if os.path.exists("/proc/self/mem"):  # opens, but reading it fails
+        assert main(["replay", "/proc/self/mem", "--num-blocks", "8"]) == 1
+        assert "cannot read trace after line 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -101,7 +102,8 @@ def test_missing_empty_and_binary_files(tmp_path):
         load_trace(write_lines(tmp_path / "bad.jsonl", ["{oops"]), skip_bad_lines=True)
     binary = tmp_path / "bin.jsonl"
     binary.write_bytes(b"\xff\xfe\x00\x01")
-    with pytest.raises(TraceFormatError, match="not a UTF-8 text file"):
+    with pytest.raises(TraceFormatError, match=r"bin\.jsonl:1: not UTF-8 text \(invalid start "
+                                               r"byte at byte 1\)"):
         load_trace(binary)
 
 
@@ -156,3 +158,34 @@ def test_a_request_at_the_token_limit_is_accepted():
     request = parse_line(json.dumps({"input_length": n, "output_length": n,
                                      "hash_ids": list(range(n // 512))}), 1)
     assert (request.input_length, request.output_length) == (2**24, 2**24)
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"[1, 2]\n[3, \"\xe9\"]\n[4]\n")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: not UTF-8 text"):
+        load_trace(path)
+    trace = load_trace(path, skip_bad_lines=True)
+    assert [r.token_ids for r in trace.requests] == [(1, 2), (4,)]
+    assert trace.num_bad_lines == 1 and "t.jsonl:2: not UTF-8" in trace.first_bad_line
+
+
+def test_a_trace_of_only_bad_lines_says_how_many_were_skipped(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xff\n{oops\n\n")
+    with pytest.raises(TraceFormatError, match=r"no requests in the trace \(2 malformed line"
+                                               r"\(s\) skipped; first: .*t\.jsonl:1: not UTF-8"):
+        load_trace(path, skip_bad_lines=True)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_file_that_opens_but_cannot_be_read_is_an_error():
+    with pytest.raises(TraceFormatError, match="/proc/self/mem: cannot read trace after "
+                                               "line 0: Input/output error"):
+        load_trace("/proc/self/mem")
+
+
+def test_a_closed_standard_input_is_an_error(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # what Python sets when fd 0 is closed
+    with pytest.raises(TraceFormatError, match="<stdin>: standard input is closed"):
+        load_trace("-")
