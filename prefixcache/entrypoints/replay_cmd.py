@@ -12,6 +12,7 @@ from prefixcache.arg_types import positive_float, positive_int
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_BLOCK_SIZE = 16
+STDOUT_PATH = "-"  # as --json's value
 
 DESCRIPTION = """\
 Replay a request trace through prefixcache's real KV cache manager and report the prefix
@@ -143,7 +144,9 @@ def register(subparsers) -> None:
                         help="--sweep without the (slower) Belady reference")
     parser.add_argument("--max-requests", type=positive_int, metavar="N",
                         help="replay only the first N requests")
-    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
+    parser.add_argument("--json", metavar="OUT",
+                        help="also write the figures as JSON to OUT; - writes them to "
+                             "standard output, and the table then goes to standard error")
     parser.add_argument("--plot", type=_plot_path, metavar="OUT",
                         help="with --sweep: draw the hit-rate curves to OUT; the format "
                              "follows the extension (png, pdf, svg, ...; png without one)")
@@ -174,6 +177,10 @@ def _why_not_writable(path: str) -> str | None:
     if not existed:
         os.unlink(path)
     return None
+
+
+def _is_stdout(flag: str, path: str) -> bool:
+    return flag == "--json" and path == STDOUT_PATH
 
 
 def _check_option_combinations(args: argparse.Namespace) -> None:
@@ -209,7 +216,7 @@ def _check_files_apart(args: argparse.Namespace) -> None:
 
     files = [] if args.trace == STDIN_PATH else [("the trace", args.trace)]
     files += [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot))
-              if path]
+              if path and not _is_stdout(flag, path)]
     for i, (name, path) in enumerate(files):
         for earlier_name, earlier_path in files[:i]:
             if _is_same_file(path, earlier_path):
@@ -232,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if sys.stdout is None:  # started with file descriptor 1 closed: print() would drop all
         return _error("standard output is closed: nowhere to print the figures")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        reason = path and _why_not_writable(path)
+        reason = path and not _is_stdout(flag, path) and _why_not_writable(path)
         if reason:
             return _error(f"{flag}: {reason}")
     try:
@@ -246,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline and not trace.has_timestamps:
         return _error("--timeline needs a 'timestamp' on every request of the trace")
 
+    # stdout carries the JSON alone when --json is -, so that it can be piped on.
+    report = sys.stderr if args.json == STDOUT_PATH else sys.stdout
     show_progress = not args.quiet and sys.stderr.isatty()
     num_requests = len(trace.requests)
     try:
@@ -269,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                                decode_tokens_per_s=args.decode_tokens_per_s,
                                concurrency=args.concurrency, timeline=args.timeline,
                                progress=bar.update)
-            print(format_sweep(result, args.block_size, args.kv_bytes_per_token))
+            print(format_sweep(result, args.block_size, args.kv_bytes_per_token), file=report)
             payload = result.to_dict()
         else:
             results = []
@@ -278,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
                 for policy in args.policy:
                     config = ReplayConfig(args.num_blocks, policy, **common)
                     results.append(replay(prepared, config, bar.update))
-            print("\n\n".join(format_replay(r, args.kv_bytes_per_token) for r in results))
+            print("\n\n".join(format_replay(r, args.kv_bytes_per_token) for r in results),
+                  file=report)
             payload = {"runs": [r.to_dict() for r in results]}
     except ValueError as exc:
         return _error(str(exc))
@@ -288,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
                "kv_bytes_per_token": args.kv_bytes_per_token,
                "mode": "timeline" if args.timeline else "sequential", **payload}
     try:
-        if args.json:
+        if args.json == STDOUT_PATH:
+            json.dump(payload, sys.stdout, indent=1)
+            print()
+        elif args.json:
             with open(args.json, "w", encoding="utf-8") as handle:
                 json.dump(payload, handle, indent=1)
         if args.plot:
@@ -296,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
             plot_sweep(result, args.plot, args.block_size, args.kv_bytes_per_token,
                        title=f"{trace.path.rsplit('/', 1)[-1]}: {num_requests:,} requests, "
                              f"block size {args.block_size}, {mode}")
+    except BrokenPipeError:
+        raise  # the reader went away (--json /dev/stdout | head): cli.main exits quietly
     except OSError as exc:
         return _error(f"cannot write output: {exc}")
     return 0

@@ -322,7 +322,8 @@ def test_help_explains_formats_and_modes(capsys):
     text = " ".join(capsys.readouterr().out.split())  # help lines wrap anywhere
     for phrase in ("Mooncake", "prompt_token_ids", "--timeline", "Belady", "--sweep",
                    "--kv-bytes-per-token", "--skip-bad-lines", "rejected", "standard input",
-                   "the format follows the extension", f"{MAX_REQUEST_TOKENS:,} tokens"):
+                   "the format follows the extension", f"{MAX_REQUEST_TOKENS:,} tokens",
+                   "- writes them to standard output"):
         assert phrase in text
 
 
@@ -389,6 +390,29 @@ def test_a_reader_that_goes_away_stops_the_command_quietly(small_trace):
          "--no-belady", "--quiet"], timeout=120)
     assert result.stderr == ""
     assert result.returncode == 141
+
+
+def test_json_dash_writes_the_json_alone_to_standard_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write_lines(tmp_path / "t.jsonl", [list(range(40)), list(range(30)) + [99]])
+    assert main(["replay", str(path), "--num-blocks", "16", "--block-size", "8", "--json", "-",
+                 "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["runs"][0]["num_hit_tokens"] == 24
+    assert re.search(r"^hit tokens +24$", captured.err, re.M)  # the table, out of the way
+    assert not (tmp_path / "-").exists()
+
+
+def test_json_to_a_pipe_whose_reader_goes_away_stops_quietly(tmp_path, capsys, monkeypatch):
+    """``--json /dev/stdout | head -1``: the reader can leave after the table, while the
+    JSON is written to its own handle on the pipe; that stops quietly too (exit 141)."""
+    def dump(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(json, "dump", dump)
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    assert main(["replay", str(path), "--num-blocks", "16", "--quiet",
+                 "--json", str(tmp_path / "out.json")]) == 141
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
