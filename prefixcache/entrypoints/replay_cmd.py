@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import stat
 import sys
 
 from prefixcache.arg_types import positive_float, positive_int
@@ -167,7 +169,22 @@ def _error(message: str) -> int:
 
 def _why_not_writable(path: str) -> str | None:
     """Why ``path`` cannot be written, or None. Checked before a replay that may take
-    minutes, so that a mistyped output path fails at once; leaves no file behind."""
+    minutes, so that a mistyped output path fails at once; leaves no file behind.
+
+    Only a regular file or a path that does not exist yet is opened to find out. Opening
+    and closing anything else can have effects of its own (a FIFO's reader would see the
+    end of its input, or the open would wait for one), so it is only checked for
+    permission."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # nothing there (yet), or unreachable: the probe below says why
+    if mode is not None and stat.S_ISDIR(mode):
+        return f"cannot write {path}: {os.strerror(errno.EISDIR)}"
+    if mode is not None and not stat.S_ISREG(mode):
+        if not os.access(path, os.W_OK):
+            return f"cannot write {path}: {os.strerror(errno.EACCES)}"
+        return None
     existed = os.path.lexists(path)
     try:
         with open(path, "ab"):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import threading
 
 import pytest
 
@@ -349,6 +350,29 @@ def test_unwritable_outputs_fail_before_the_replay(small_trace, tmp_path, capsys
                      "--quiet", "--json", str(good), "--plot", str(tmp_path / "no" / "x.png"),
                      ]) == 1
     assert existing.read_text() == "keep me" and not fresh.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_json_to_a_named_pipe_is_not_probed(tmp_path, capsys):
+    """Probing a FIFO by opening and closing it would end its reader's input before the
+    JSON came (or wait for a reader): its reader must get the JSON whole."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    exit_codes = []
+    replay = threading.Thread(target=lambda: exit_codes.append(main(
+        ["replay", str(path), "--num-blocks", "16", "--quiet", "--json", str(fifo)])))
+    replay.start()
+    received = fifo.read_text()
+    if not received:  # a probe ended the input; read again so that the replay can finish
+        fifo.read_text()
+    replay.join()
+    assert exit_codes == [0]
+    assert json.loads(received)["runs"][0]["num_blocks"] == 16
+    fifo.chmod(0o444)
+    if not os.access(fifo, os.W_OK):  # root may write anyway
+        assert main(["replay", str(path), "--num-blocks", "16", "--json", str(fifo)]) == 1
+        assert "--json: cannot write" in capsys.readouterr().err
 
 
 def test_outputs_that_would_overwrite_the_trace_or_each_other_are_refused(small_trace,
