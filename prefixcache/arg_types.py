@@ -56,6 +56,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def float_at_least(low: float):
+    """A converter for a finite number >= ``low``."""
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+        return value
+    return convert
+
+
 def int_in_range(low: int, high: int):
     """A converter for an integer in ``low .. high`` (both included)."""
     def convert(text: str) -> int:

@@ -9,7 +9,7 @@ import os
 import stat
 import sys
 
-from prefixcache.arg_types import positive_float, positive_int
+from prefixcache.arg_types import float_at_least, positive_float, positive_int
 
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
@@ -111,6 +111,7 @@ def _policy_list(text: str) -> list[str]:
 
 def register(subparsers) -> None:
     from prefixcache.core import EVICTION_POLICIES
+    from prefixcache.sim.replay import MIN_DECODE_TOKENS_PER_S
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,9 +138,10 @@ def register(subparsers) -> None:
                       help="sequential mode: live requests at a time (default 1)")
     mode.add_argument("--timeline", action="store_true",
                       help="admit requests at their timestamps, hold them while decoding")
-    parser.add_argument("--decode-tokens-per-s", type=positive_float, default=None,
-                        metavar="R", help="timeline mode: decode speed per request "
-                                          "(default 50 tokens/s)")
+    parser.add_argument("--decode-tokens-per-s", type=float_at_least(MIN_DECODE_TOKENS_PER_S),
+                        default=None, metavar="R",
+                        help="timeline mode: decode speed per request (default 50 tokens/s, "
+                             f"at least {MIN_DECODE_TOKENS_PER_S:g})")
     parser.add_argument("--no-decode-slots", action="store_true",
                         help="allocate prompt slots only, not output_length decode slots")
     parser.add_argument("--no-belady", action="store_true",
@@ -315,12 +317,17 @@ def run(args: argparse.Namespace) -> int:
                "kv_bytes_per_token": args.kv_bytes_per_token,
                "mode": "timeline" if args.timeline else "sequential", **payload}
     try:
+        # Strict JSON (no NaN or Infinity, which JSON readers refuse), checked before
+        # anything is written.
+        json_text = args.json and json.dumps(payload, indent=1, allow_nan=False) + "\n"
+    except ValueError as exc:
+        return _error(f"--json: {exc}")
+    try:
         if args.json == STDOUT_PATH:
-            json.dump(payload, sys.stdout, indent=1)
-            print()
+            sys.stdout.write(json_text)
         elif args.json:
             with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(payload, handle, indent=1)
+                handle.write(json_text)
         if args.plot:
             mode = "timeline" if args.timeline else f"concurrency {args.concurrency}"
             plot_sweep(result, args.plot, args.block_size, args.kv_bytes_per_token,

@@ -60,6 +60,10 @@ OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses, BlockHashToBlockMap],
        for name, kind in DEAD_CONTENT_KINDS.items()},
 }
 DEFAULT_DECODE_TOKENS_PER_S = 50.0
+# The slowest decode a timeline replay accepts: a request at the trace's output limit
+# (2**24 tokens) then lives about 530 years, still a finite number of seconds. A slower
+# rate only makes every lifetime overflow to infinity (and usages NaN).
+MIN_DECODE_TOKENS_PER_S = 1e-3
 _PROGRESS_EVERY = 64
 _PLACEHOLDER_TOKEN_ID = 0
 
@@ -117,9 +121,9 @@ class ReplayConfig:
                              f"{', '.join(policy_names())}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if not self.decode_tokens_per_s > 0:
-            raise ValueError(
-                f"decode_tokens_per_s must be > 0, got {self.decode_tokens_per_s}")
+        if not MIN_DECODE_TOKENS_PER_S <= self.decode_tokens_per_s < float("inf"):
+            raise ValueError(f"decode_tokens_per_s must be a finite number >= "
+                             f"{MIN_DECODE_TOKENS_PER_S:g}, got {self.decode_tokens_per_s}")
 
     @property
     def mode(self) -> str:

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.entrypoints import replay_cmd
 from prefixcache.entrypoints.cli import main
 from prefixcache.sim.trace import MAX_REQUEST_TOKENS
 from tests.data_paths import MOONCAKE_TRACE_PATH
@@ -306,6 +307,8 @@ def test_closed_or_unreadable_standard_streams_and_files_are_one_line_errors(tmp
     ([], "one of the arguments --num-blocks --sweep is required"),
     (["--num-blocks", "8", "--plot", "x.png"], "--plot needs --sweep"),
     (["--num-blocks", "8", "--decode-tokens-per-s", "5"], "applies to --timeline only"),
+    (["--num-blocks", "8", "--timeline", "--decode-tokens-per-s", "1e-320"],
+     "must be a finite number >= 0.001, got 1e-320"),
     (["--sweep", "8", "--no-belady", "--policy", "belady"], "nothing to replay"),
     (["--sweep", "8", "--plot", "curve.foo"], "cannot draw a plot as 'foo'"),
 ])
@@ -416,6 +419,23 @@ def test_a_reader_that_goes_away_stops_the_command_quietly(small_trace):
     assert result.returncode == 141
 
 
+def test_json_is_strict_and_not_written_if_a_figure_is_not_finite(tmp_path, capsys,
+                                                                  monkeypatch):
+    module = sys.modules["prefixcache.sim.replay"]
+    real_replay = module.replay
+
+    def replay(*args, **kwargs):
+        result = real_replay(*args, **kwargs)
+        result.mean_usage = float("nan")
+        return result
+    monkeypatch.setattr(module, "replay", replay)
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    out = tmp_path / "out.json"
+    assert main(["replay", str(path), "--num-blocks", "8", "--quiet", "--json", str(out)]) == 1
+    assert "--json: Out of range float values are not JSON compliant" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_json_dash_writes_the_json_alone_to_standard_output(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = write_lines(tmp_path / "t.jsonl", [list(range(40)), list(range(30)) + [99]])
@@ -430,9 +450,12 @@ def test_json_dash_writes_the_json_alone_to_standard_output(tmp_path, capsys, mo
 def test_json_to_a_pipe_whose_reader_goes_away_stops_quietly(tmp_path, capsys, monkeypatch):
     """``--json /dev/stdout | head -1``: the reader can leave after the table, while the
     JSON is written to its own handle on the pipe; that stops quietly too (exit 141)."""
-    def dump(*args, **kwargs):
-        raise BrokenPipeError(32, "Broken pipe")
-    monkeypatch.setattr(json, "dump", dump)
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+    def open_output(path, mode="r", *args, **kwargs):  # the JSON's; not the probe's "ab"
+        return ClosedPipe() if mode == "w" else open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(replay_cmd, "open", open_output, raising=False)
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
     assert main(["replay", str(path), "--num-blocks", "16", "--quiet",
                  "--json", str(tmp_path / "out.json")]) == 141

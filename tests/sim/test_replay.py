@@ -335,3 +335,9 @@ def test_config_validation():
         ReplayConfig(0)
     with pytest.raises(ValueError, match="concurrency"):
         ReplayConfig(4, concurrency=0)
+    for rate in (0.0, 1e-320, 0.000999, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"decode_tokens_per_s must be a finite number "
+                                             r">= 0\.001"):
+            ReplayConfig(4, timeline=True, decode_tokens_per_s=rate)
+    assert ReplayConfig(4, timeline=True, decode_tokens_per_s=0.001).decode_tokens_per_s == 0.001
+
