@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             mode = "timeline" if args.timeline else f"concurrency {args.concurrency}"
             plot_sweep(result, args.plot, args.block_size, args.kv_bytes_per_token,
-                       title=f"{trace.path.rsplit('/', 1)[-1]}: {num_requests:,} requests, "
+                       title=f"{os.path.basename(trace.path)}: {num_requests:,} requests, "
                              f"block size {args.block_size}, {mode}")
     except BrokenPipeError:
         raise  # the reader went away (--json /dev/stdout | head): cli.main exits quietly

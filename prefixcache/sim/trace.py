@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,6 +42,12 @@ STDIN_NAME = "<stdin>"
 # context today, yet small enough that one request's lists and block table fit in memory.
 MAX_REQUEST_TOKENS = 1 << 24
 _TOKEN_ID_BOUND = 1 << 63  # token ids are hashed as signed 64-bit integers
+
+
+def printable_path(path: str | Path) -> str:
+    """``path`` as text that can be printed, drawn or written to JSON: bytes of the name
+    that are not UTF-8 (kept by Python as lone surrogates) become U+FFFD."""
+    return os.fsencode(path).decode("utf-8", errors="replace")
 
 
 class TraceFormatError(ValueError):
@@ -65,7 +72,8 @@ class TraceRequest:
 
 @dataclass(slots=True)
 class Trace:
-    """The parsed requests of one file, in file order, and how many lines were skipped."""
+    """The parsed requests of one file, in file order, and how many lines were skipped.
+    ``path`` names the file for people (:func:`printable_path`, or ``<stdin>``)."""
 
     path: str
     requests: list[TraceRequest] = field(default_factory=list)
@@ -193,14 +201,15 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
         return _read_trace(getattr(sys.stdin, "buffer", sys.stdin), STDIN_NAME,
                            skip_bad_lines, max_requests)
     path = Path(path)
+    name = printable_path(path)
     try:
         handle = path.open("rb")
     except FileNotFoundError:
-        raise TraceFormatError(f"{path}: no such trace file") from None
+        raise TraceFormatError(f"{name}: no such trace file") from None
     except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot open trace: {exc.strerror}") from None
+        raise TraceFormatError(f"{name}: cannot open trace: {exc.strerror}") from None
     with handle:
-        return _read_trace(handle, str(path), skip_bad_lines, max_requests)
+        return _read_trace(handle, name, skip_bad_lines, max_requests)
 
 
 def _decode(line: bytes | str, line_no: int) -> str:

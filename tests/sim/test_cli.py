@@ -473,3 +473,12 @@ def test_progress_bar_only_on_a_terminal_and_not_with_quiet(small_trace, capsys,
     assert ("hashing" in err and "replaying" in err and "200/200" in err) == shown
     if not shown:
         assert err == ""
+
+
+def test_a_trace_path_that_is_not_utf8_names_the_plot_and_the_json(tmp_path, capsys):
+    path = write_lines(tmp_path / os.fsdecode(b"t\xff.jsonl"), [[1, 2, 3, 4], [1, 2, 3, 5]])
+    out, plot = tmp_path / "out.json", tmp_path / "curve.svg"
+    assert main(["replay", str(path), "--sweep", "2,4", "--block-size", "2", "--quiet",
+                 "--json", str(out), "--plot", str(plot)]) == 0
+    assert json.loads(out.read_text())["trace"] == str(tmp_path / "t\ufffd.jsonl")
+    assert "t\ufffd.jsonl: 2 requests" in plot.read_text(encoding="utf-8")  # the title
