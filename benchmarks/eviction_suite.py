@@ -70,13 +70,18 @@ from pathlib import Path
 from prefixcache.arg_types import positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
-from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _discard_stdout
+from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, discard_stdout
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.replay import policy_names
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
 from prefixcache.sim.trace import Trace, TraceFormatError, load_trace
-from prefixcache.sim.workloads import WORKLOAD_FAMILIES, generate_requests, write_trace
+from prefixcache.sim.workloads import (
+    MAX_NUM_REQUESTS,
+    WORKLOAD_FAMILIES,
+    generate_requests,
+    write_trace,
+)
 from prefixcache.sim.workloads.random_parameters import random_parameters
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
@@ -470,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        _discard_stdout()  # what is still buffered would fail again at exit
+        discard_stdout()  # what is still buffered would fail again at exit
         return EXIT_BROKEN_PIPE
 
 
@@ -512,8 +517,9 @@ def run(argv: list[str] | None) -> int:
             parser.error(f"--combine {exc}")
     if args.split_trace < 1:
         parser.error("--split-trace must be at least 1")
-    if args.num_requests < 1 or args.random_traces < 0:
-        parser.error("--num-requests must be at least 1, --random-traces at least 0")
+    if not 1 <= args.num_requests <= MAX_NUM_REQUESTS or args.random_traces < 0:
+        parser.error(f"--num-requests must be 1 to {MAX_NUM_REQUESTS:,}, --random-traces "
+                     "at least 0")
     families = name_list(args.families)
     # Repeats kept: the random traces take these families in turn, as many times as named.
     random_families = [f for f in (part.strip() for part in args.random_families.split(","))

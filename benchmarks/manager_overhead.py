@@ -35,7 +35,7 @@ import time
 from collections import deque
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
-from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _discard_stdout
+from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, discard_stdout
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        _discard_stdout()  # what is still buffered would fail again at exit
+        discard_stdout()  # what is still buffered would fail again at exit
         return EXIT_BROKEN_PIPE
 
 

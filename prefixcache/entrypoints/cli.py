@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        _discard_stdout()
+        discard_stdout()
         return EXIT_BROKEN_PIPE
     except MemoryError:
         # The failed allocation's objects are gone by now, so there is room to say so.
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _discard_stdout() -> None:
+def discard_stdout() -> None:
     """Send stdout to the null device: whatever is still buffered for the closed pipe
     would otherwise fail again, with a second error, when the interpreter flushes it on
     exit. A stdout without a file descriptor (tests' capture) is left alone."""

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from prefixcache.arg_types import int_in_range, non_negative_int
+from prefixcache.entrypoints.cli import discard_stdout
 
 DESCRIPTION = """\
 Write a synthetic request trace in one of the shapes serving traffic takes, to replay
@@ -131,8 +132,6 @@ def _write_stdout(requests, args: argparse.Namespace) -> int:
     from prefixcache.sim.workloads import write_trace
 
     if sys.stdout is None:  # started with stdout closed (``>&-``)
-        # The entry point flushes sys.stdout after every command: give it one that can.
-        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
         return _stdout_error("it is closed")
     try:
         write_trace(requests, sys.stdout, args.format, args.seed)
@@ -140,7 +139,7 @@ def _write_stdout(requests, args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise
     except OSError as exc:
-        _discard_stdout()
+        discard_stdout()
         return _stdout_error(exc.strerror or str(exc))
     return 0
 
@@ -153,7 +152,9 @@ def _write_file(requests, args: argparse.Namespace) -> None:
     renaming over it would replace the device. OSError if it cannot be written."""
     from prefixcache.sim.workloads import write_trace
 
-    path = os.path.abspath(args.output)
+    # Through a symbolic link to the file it names: renaming over the link itself would
+    # replace the link with a regular file.
+    path = os.path.realpath(args.output)
     if os.path.exists(path) and not os.path.isfile(path):
         with open(path, "w", encoding="utf-8") as handle:
             write_trace(requests, handle, args.format, args.seed)
@@ -178,20 +179,6 @@ def _stdout_error(reason: str) -> int:
     print(f"prefixcache synth: error: cannot write standard output: {reason}",
           file=sys.stderr)
     return 1
-
-
-def _discard_stdout() -> None:
-    """Point stdout's file descriptor at the null device, so that what is still buffered
-    for it cannot fail again, with a traceback, when the entry point or the interpreter
-    flushes it. A stdout without a file descriptor (tests' capture) is left alone."""
-    try:
-        null_fd = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null_fd, sys.stdout.fileno())
-        finally:
-            os.close(null_fd)
-    except (OSError, ValueError):  # io.UnsupportedOperation is both
-        pass
 
 
 def register(subparsers) -> None:

@@ -197,6 +197,8 @@ def test_combine_refuses_an_output_without_its_settings(tmp_path, chat_figures):
     (["--families", " ,", "--trace", "", "--random-traces", "0"], "nothing to measure"),
     (["--trace", "", "--split-trace", "3"], "--split-trace 3 needs a trace to split"),
     (["--trace", "{five}", "--split-trace", "6"], "the trace has only 5 requests"),
+    (["--num-requests", "10000001"], "--num-requests must be 1 to 10,000,000"),
+    (["--num-requests", "0"], "--num-requests must be 1 to 10,000,000"),
 ])
 def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypatch, capsys,
                                                                argv, message):

@@ -216,6 +216,18 @@ def test_an_interrupted_synth_leaves_the_previous_file_whole(tmp_path, monkeypat
     assert len(out.read_text().splitlines()) == 50
 
 
+def test_synth_through_a_symbolic_link_writes_the_file_it_names(tmp_path):
+    target = tmp_path / "traces" / "chat.jsonl"
+    target.parent.mkdir()
+    target.write_text("the previous trace\n")
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(target)
+    assert main(["synth", "chat", "--num-requests", "5", "-o", str(link)]) == 0
+    assert link.is_symlink() and link.resolve() == target
+    assert len(target.read_text().splitlines()) == 5
+    assert sorted(p.name for p in target.parent.iterdir()) == ["chat.jsonl"]
+
+
 def test_synth_output_file_gets_the_usual_permissions(tmp_path):
     umask = os.umask(0o022)
     try:
