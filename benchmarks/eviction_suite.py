@@ -70,7 +70,7 @@ from pathlib import Path
 from prefixcache.arg_types import positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
-from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, discard_stdout
+from prefixcache.entrypoints.cli import run_with_exit_codes
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.replay import policy_names
@@ -462,21 +462,10 @@ def combine(paths: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the script on ``argv``. As the ``prefixcache`` command does: on Ctrl-C, exit
-    130 with "interrupted" on stderr; when stdout's reader goes away (``| head``), exit
-    141 with nothing on stderr. A usage error exits 2 (SystemExit from argparse)."""
-    try:
-        exit_code = run(argv)
-        # Output still buffered meets a closed pipe here rather than in the interpreter's
-        # final flush, which can only print a traceback.
-        sys.stdout.flush()
-        return exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        discard_stdout()  # what is still buffered would fail again at exit
-        return EXIT_BROKEN_PIPE
+    """Run the script on ``argv``, ending as the ``prefixcache`` command does (Ctrl-C: exit
+    130; stdout's reader gone: 141, quietly). A usage error exits 2 (SystemExit from
+    argparse)."""
+    return run_with_exit_codes(lambda: run(argv))
 
 
 def run(argv: list[str] | None) -> int:

@@ -35,7 +35,7 @@ import time
 from collections import deque
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
-from prefixcache.entrypoints.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, discard_stdout
+from prefixcache.entrypoints.cli import run_with_exit_codes
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
@@ -281,21 +281,10 @@ def hash_encoding_comparison(prompts: list[list[int]], repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark on ``argv``. As the ``prefixcache`` command does: on Ctrl-C, exit
-    130 with "interrupted" on stderr; when stdout's reader goes away (``| head``), exit
-    141 with nothing on stderr. A usage error exits 2 (SystemExit from argparse)."""
-    try:
-        exit_code = run(argv)
-        # Output still buffered meets a closed pipe here rather than in the interpreter's
-        # final flush, which can only print a traceback.
-        sys.stdout.flush()
-        return exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        discard_stdout()  # what is still buffered would fail again at exit
-        return EXIT_BROKEN_PIPE
+    """Run the benchmark on ``argv``, ending as the ``prefixcache`` command does (Ctrl-C: exit
+    130; stdout's reader gone: 141, quietly). A usage error exits 2 (SystemExit from
+    argparse)."""
+    return run_with_exit_codes(lambda: run(argv))
 
 
 def run(argv: list[str] | None) -> int:

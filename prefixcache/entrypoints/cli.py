@@ -18,6 +18,7 @@ import importlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.demo_cmd",
@@ -55,7 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        exit_code = int(args.func(args) or 0)
+        return run_with_exit_codes(lambda: args.func(args))
+    except MemoryError:
+        # The failed allocation's objects are gone by now, so there is room to say so.
+        print(f"prefixcache {args.command}: error: out of memory (the inputs need more "
+              "memory than this machine has)", file=sys.stderr)
+        return 1
+
+
+def run_with_exit_codes(func: Callable[[], int | None]) -> int:
+    """``func()``'s exit code (None is 0), ended as this command ends (module docstring):
+    on Ctrl-C, "interrupted" on stderr and exit code 130; when the reader of stdout went
+    away, 141 with nothing on stderr. Other exceptions propagate."""
+    try:
+        exit_code = int(func() or 0)
         # Output still buffered meets a closed pipe here, where it is handled, rather
         # than in the interpreter's final flush, which can only print a traceback.
         if sys.stdout is not None:  # None when started with file descriptor 1 closed
@@ -67,11 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         discard_stdout()
         return EXIT_BROKEN_PIPE
-    except MemoryError:
-        # The failed allocation's objects are gone by now, so there is room to say so.
-        print(f"prefixcache {args.command}: error: out of memory (the inputs need more "
-              "memory than this machine has)", file=sys.stderr)
-        return 1
 
 
 def discard_stdout() -> None:
