@@ -29,7 +29,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,12 +226,24 @@ def _decode(line: bytes | str, line_no: int) -> str:
     return line
 
 
+def _universal_lines(lines: Iterable[bytes | str]) -> Iterator[bytes | str]:
+    """A binary file's lines end at ``\n``: split them at ``\r`` and ``\r\n`` as well, as
+    text mode would, so that a trace saved with old Mac line ends still has lines. (Text
+    is left alone: ``str.splitlines`` would also split at separators JSON allows inside
+    strings.)"""
+    for line in lines:
+        if isinstance(line, bytes) and b"\r" in line:
+            yield from line.splitlines()
+        else:
+            yield line
+
+
 def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
                 max_requests: int | None) -> Trace:
     trace = Trace(path)
     line_no = 0
     try:
-        for line_no, line in enumerate(lines, start=1):
+        for line_no, line in enumerate(_universal_lines(lines), start=1):
             if max_requests is not None and len(trace.requests) >= max_requests:
                 break
             try:

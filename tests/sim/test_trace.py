@@ -189,3 +189,16 @@ def test_a_closed_standard_input_is_an_error(monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)  # what Python sets when fd 0 is closed
     with pytest.raises(TraceFormatError, match="<stdin>: standard input is closed"):
         load_trace("-")
+
+
+@pytest.mark.parametrize("line_end", [b"\n", b"\r\n", b"\r"])
+def test_lines_may_end_as_on_any_system(tmp_path, line_end):
+    lines = [b'{"input_length": 8, "hash_ids": [1]}', b"",
+             b'{"input_length": 8, "hash_ids": [2]}', b'{"input_length": 8']
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(line_end.join(lines) + line_end)
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:4: "):  # numbered as written
+        load_trace(path)
+    trace = load_trace(path, skip_bad_lines=True)
+    assert [r.hash_ids for r in trace.requests] == [(1,), (2,)]
+    assert trace.num_bad_lines == 1
