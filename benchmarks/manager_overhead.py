@@ -329,7 +329,9 @@ def run(argv: list[str] | None) -> int:
         args.policy_warmup = args.policy_num_blocks // 4
     if args.policy_warmup < 0:
         parser.error("--policy-warmup must be at least 0")
-    policies = args.policies.split(",")
+    # As `prefixcache replay --policy` reads them: spaces stripped, repeats dropped (a
+    # policy named twice would be timed twice and reported once).
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown:
         parser.error(f"unknown eviction policies {', '.join(unknown)}; choose from "

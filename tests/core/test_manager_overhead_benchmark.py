@@ -118,6 +118,23 @@ def test_the_fewest_requests_accepted_are_measured(capsys):
     assert report["hit_tokens_as_expected"]
 
 
+def test_policies_are_read_as_replay_reads_them(monkeypatch):
+    timed = []
+
+    def record(prompts, repeats, policies, *args, **kwargs):
+        timed.append(policies)
+        raise Built
+
+    monkeypatch.setattr(manager_overhead, "best_of",
+                        lambda *a, **k: {"hit_tokens": 0, "lifecycle": {"mean_us": 1.0}})
+    monkeypatch.setattr(manager_overhead, "hash_encoding_comparison", lambda *a: {})
+    monkeypatch.setattr(manager_overhead, "eviction_policy_comparison", record)
+    with pytest.raises(Built):
+        manager_overhead.main(["--quick", "--requests", str(MAX_LIVE + 1), "--policy-warmup",
+                               "0", "--policies", " lru, 2q,lru,2q ,"])
+    assert timed == [["lru", "2q"]]
+
+
 def test_ctrl_c_ends_in_exit_130_and_a_line_not_a_traceback(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
