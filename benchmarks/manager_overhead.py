@@ -46,12 +46,11 @@ MAX_LIVE = 16
 # Blocks a request fills that no earlier request holds: its own prompt tail and its decode.
 NEW_BLOCKS_PER_REQUEST = (PROMPT_LEN - SHARED_PREFIX_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
 VOCAB = 50_000
-# The default warm-up is a quarter of the pool's blocks in requests, each built up front
-# as a prompt of PROMPT_LEN Python ints (about 28 KB): about 7 KB per block. At this bound
-# that is 1.9 GB of prompts and, at ~0.3 ms per request and manager, about 40 s for each
-# of the default 18 passes (6 policies x 3 repeats); at 4x it would be 7.4 GB and about an
-# hour in all. (The published runs go up to 32,768 blocks.)
+# Every request's prompt is built up front, PROMPT_LEN Python ints (about 28 KB) each, and
+# the default warm-up is a quarter of the pool's blocks in requests. These bounds keep the
+# prompts under about 3 GB, within what a workstation has to spare.
 MAX_POLICY_NUM_BLOCKS = 262_144
+MAX_REQUESTS_BUILT = 100_000  # --policy-warmup plus --requests
 OPS = ("create_and_hash", "get_computed_blocks", "allocate_prompt", "decode_step", "free",
        "lifecycle")
 
@@ -329,6 +328,9 @@ def run(argv: list[str] | None) -> int:
         args.policy_warmup = args.policy_num_blocks // 4
     if args.policy_warmup < 0:
         parser.error("--policy-warmup must be at least 0")
+    if args.policy_warmup + args.requests > MAX_REQUESTS_BUILT:
+        parser.error(f"--policy-warmup plus --requests must be at most {MAX_REQUESTS_BUILT:,}"
+                     ": every request's prompt is built up front, about 28 KB each")
     # As `prefixcache replay --policy` reads them: spaces stripped, repeats dropped (a
     # policy named twice would be timed twice and reported once).
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))

@@ -87,6 +87,8 @@ def discard_stdout() -> None:
     """Send stdout to the null device: whatever is still buffered for the closed pipe
     would otherwise fail again, with a second error, when the interpreter flushes it on
     exit. A stdout without a file descriptor (tests' capture) is left alone."""
+    if sys.stdout is None:  # started with file descriptor 1 closed: nothing is buffered
+        return
     try:
         null_fd = os.open(os.devnull, os.O_WRONLY)
         try:

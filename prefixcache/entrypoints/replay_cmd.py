@@ -187,14 +187,16 @@ def _why_not_writable(path: str) -> str | None:
         if not os.access(path, os.W_OK):
             return f"cannot write {path}: {os.strerror(errno.EACCES)}"
         return None
-    existed = os.path.lexists(path)
+    # A dangling symbolic link counts as nothing there: the probe creates the file it
+    # names, and that file is what is removed again.
+    existed = mode is not None
     try:
         with open(path, "ab"):
             pass
     except OSError as exc:
         return f"cannot write {path}: {exc.strerror or exc}"
     if not existed:
-        os.unlink(path)
+        os.unlink(os.path.realpath(path))
     return None
 
 
@@ -272,9 +274,11 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline and not trace.has_timestamps:
         return _error("--timeline needs a 'timestamp' on every request of the trace")
 
-    # stdout carries the JSON alone when --json is -, so that it can be piped on.
+    # stdout carries the JSON alone when --json is -, so that it can be piped on; the
+    # table then goes to stderr, or nowhere if stderr is closed (print(file=None) would
+    # send it to stdout).
     report = sys.stderr if args.json == STDOUT_PATH else sys.stdout
-    show_progress = not args.quiet and sys.stderr.isatty()
+    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     num_requests = len(trace.requests)
     try:
         expander = TraceExpander(args.block_size)
@@ -297,7 +301,9 @@ def run(args: argparse.Namespace) -> int:
                                decode_tokens_per_s=args.decode_tokens_per_s,
                                concurrency=args.concurrency, timeline=args.timeline,
                                progress=bar.update)
-            print(format_sweep(result, args.block_size, args.kv_bytes_per_token), file=report)
+            if report is not None:
+                print(format_sweep(result, args.block_size, args.kv_bytes_per_token),
+                      file=report)
             payload = result.to_dict()
         else:
             results = []
@@ -306,8 +312,9 @@ def run(args: argparse.Namespace) -> int:
                 for policy in args.policy:
                     config = ReplayConfig(args.num_blocks, policy, **common)
                     results.append(replay(prepared, config, bar.update))
-            print("\n\n".join(format_replay(r, args.kv_bytes_per_token) for r in results),
-                  file=report)
+            if report is not None:
+                print("\n\n".join(format_replay(r, args.kv_bytes_per_token)
+                                  for r in results), file=report)
             payload = {"runs": [r.to_dict() for r in results]}
     except ValueError as exc:
         return _error(str(exc))

@@ -60,9 +60,9 @@ OFFLINE_POLICIES: dict[str, Callable[[list, FutureUses, BlockHashToBlockMap],
        for name, kind in DEAD_CONTENT_KINDS.items()},
 }
 DEFAULT_DECODE_TOKENS_PER_S = 50.0
-# The slowest decode a timeline replay accepts: a request at the trace's output limit
-# (2**24 tokens) then lives about 530 years, still a finite number of seconds. A slower
-# rate only makes every lifetime overflow to infinity (and usages NaN).
+# The slowest decode a timeline replay accepts, a round bound far from where lifetimes
+# overflow to infinity (and usages to NaN): a request at the trace's output limit (2**24
+# tokens) then lives about 530 years, a finite number of seconds.
 MIN_DECODE_TOKENS_PER_S = 1e-3
 _PROGRESS_EVERY = 64
 _PLACEHOLDER_TOKEN_ID = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -363,8 +364,18 @@ def test_json_to_a_named_pipe_is_not_probed(tmp_path, capsys):
     os.mkfifo(fifo)
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
     exit_codes = []
-    replay = threading.Thread(target=lambda: exit_codes.append(main(
-        ["replay", str(path), "--num-blocks", "16", "--quiet", "--json", str(fifo)])))
+
+    def run_replay():
+        try:
+            exit_codes.append(main(["replay", str(path), "--num-blocks", "16", "--quiet",
+                                    "--json", str(fifo)]))
+        finally:
+            # Were the replay to end without writing the FIFO, the read below would wait
+            # for a writer forever: open it once more, which ends a waiting read.
+            with contextlib.suppress(OSError):  # no reader waiting: nothing to release
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    replay = threading.Thread(target=run_replay)
     replay.start()
     received = fifo.read_text()
     if not received:  # a probe ended the input; read again so that the replay can finish
@@ -447,6 +458,22 @@ def test_json_dash_writes_the_json_alone_to_standard_output(tmp_path, capsys, mo
     assert not (tmp_path / "-").exists()
 
 
+def test_json_dash_with_standard_error_closed_keeps_the_table_out_of_the_json(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", None)  # as when started with ``2>&-``
+    path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
+    assert main(["replay", str(path), "--num-blocks", "16", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["num_blocks"] == 16
+
+
+def test_probing_a_dangling_link_leaves_no_file_behind(tmp_path):
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "missing.json")
+    assert replay_cmd._why_not_writable(str(link)) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    assert link.is_symlink() and not link.exists()
+
+
 def test_json_to_a_pipe_whose_reader_goes_away_stops_quietly(tmp_path, capsys, monkeypatch):
     """``--json /dev/stdout | head -1``: the reader can leave after the table, while the
     JSON is written to its own handle on the pipe; that stops quietly too (exit 141)."""
@@ -482,3 +509,10 @@ def test_a_trace_path_that_is_not_utf8_names_the_plot_and_the_json(tmp_path, cap
                  "--json", str(out), "--plot", str(plot)]) == 0
     assert json.loads(out.read_text())["trace"] == str(tmp_path / "t\ufffd.jsonl")
     assert "t\ufffd.jsonl: 2 requests" in plot.read_text(encoding="utf-8")  # the title
+
+
+def test_discarding_a_closed_standard_output_is_a_no_op(monkeypatch):
+    from prefixcache.entrypoints.cli import discard_stdout
+
+    monkeypatch.setattr(sys, "stdout", None)  # as when started with ``>&-``
+    discard_stdout()  # must not raise: there is nothing buffered to discard
