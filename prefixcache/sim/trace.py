@@ -6,7 +6,8 @@ Mooncake
     ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` — each
     hash id names one 512-token block of the prompt (:data:`MOONCAKE_BLOCK_SIZE`); equal ids
     mean equal content. There must be ``ceil(input_length / 512)`` ids: the last one covers
-    the trailing partial block, if any. ``timestamp`` and ``output_length`` default to 0.
+    the trailing partial block, if any. ``output_length`` defaults to 0; ``timestamp`` may
+    be left out (None: the request has no arrival time, which timeline replays need).
 Token ids
     A JSON list of token ids, or ``{"prompt_token_ids": [...]}`` with optional
     ``timestamp`` (ms) and ``output_length`` — a user's own tokenized log.
@@ -19,8 +20,8 @@ A request's prompt and its output are each at most :data:`MAX_REQUEST_TOKENS` to
 (2**24 = 16,777,216); a longer one is a bad line. A replay builds token lists and block
 tables as long as a request, so without a bound one short line could ask for terabytes.
 
-Files are UTF-8, with or without a byte-order mark; a line that is not UTF-8 is a bad
-line. The path ``-`` stands for standard input (named ``<stdin>`` in messages).
+Files are UTF-8, with or without a byte-order mark, and lines may end in ``\n``,
+``\r\n`` or ``\r``; a line that is not UTF-8 is a bad line. The path ``-`` stands for standard input (named ``<stdin>`` in messages).
 """
 
 from __future__ import annotations
