@@ -21,7 +21,8 @@ A request's prompt and its output are each at most :data:`MAX_REQUEST_TOKENS` to
 tables as long as a request, so without a bound one short line could ask for terabytes.
 
 Files are UTF-8, with or without a byte-order mark, and lines may end in ``\n``,
-``\r\n`` or ``\r``; a line that is not UTF-8 is a bad line. The path ``-`` stands for standard input (named ``<stdin>`` in messages).
+``\r\n`` or ``\r``; a line that is not UTF-8 is a bad line. The path ``-`` stands for
+standard input (named ``<stdin>`` in messages).
 """
 
 from __future__ import annotations
