@@ -67,7 +67,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prefixcache.arg_types import positive_int
+from prefixcache.arg_types import name_list, positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.entrypoints.cli import run_with_exit_codes
@@ -119,14 +119,6 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "ghost-2": {"candidates": one_reach_candidates(2)},
     "ghost-4": {"candidates": one_reach_candidates(4)},
 }
-
-
-def name_list(text: str) -> list[str]:
-    """Comma-separated names, spaces around them stripped, in order without repeats
-    (as ``prefixcache replay --policy`` reads them): a policy or trace named twice would
-    be replayed twice and reported once."""
-    return list(dict.fromkeys(name for name in (part.strip() for part in text.split(","))
-                              if name))
 
 
 def split_in_time(requests: list, num_parts: int) -> list[list]:

@@ -34,6 +34,7 @@ import sys
 import time
 from collections import deque
 
+from prefixcache.arg_types import name_list
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 from prefixcache.entrypoints.cli import run_with_exit_codes
 
@@ -331,9 +332,7 @@ def run(argv: list[str] | None) -> int:
     if args.policy_warmup + args.requests > MAX_REQUESTS_BUILT:
         parser.error(f"--policy-warmup plus --requests must be at most {MAX_REQUESTS_BUILT:,}"
                      ": every request's prompt is built up front, about 28 KB each")
-    # As `prefixcache replay --policy` reads them: spaces stripped, repeats dropped (a
-    # policy named twice would be timed twice and reported once).
-    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    policies = name_list(args.policies)
     unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown:
         parser.error(f"unknown eviction policies {', '.join(unknown)}; choose from "

@@ -82,6 +82,14 @@ def int_in_range(low: int, high: int):
     return convert
 
 
+def name_list(text: str) -> list[str]:
+    """Comma-separated names as every command reads them: spaces around each stripped,
+    empty ones ignored, repeats dropped (a policy named twice would be run twice and
+    reported once), in order."""
+    return list(dict.fromkeys(name for name in (part.strip() for part in text.split(","))
+                              if name))
+
+
 def utf8_text(text: str) -> str:
     """Text that is valid UTF-8. Python hands undecodable argv bytes over as lone
     surrogates (``surrogateescape``), which no tokenizer or JSON encoder accepts; the

@@ -9,7 +9,7 @@ import os
 import stat
 import sys
 
-from prefixcache.arg_types import float_at_least, positive_float, positive_int
+from prefixcache.arg_types import float_at_least, name_list, positive_float, positive_int
 
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
@@ -95,14 +95,14 @@ def _policy_list(text: str) -> list[str]:
 
     known = policy_names()
     policies = []
-    for part in (part.strip() for part in text.split(",")):
-        if part == ALL_ONLINE_POLICIES:
+    for name in name_list(text):
+        if name == ALL_ONLINE_POLICIES:
             policies.extend(EVICTION_POLICIES)
-        elif part in known:
-            policies.append(part)
-        elif part:
+        elif name in known:
+            policies.append(name)
+        else:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {part!r}; choose from {', '.join(known)}, "
+                f"unknown policy {name!r}; choose from {', '.join(known)}, "
                 f"or {ALL_ONLINE_POLICIES} for every online one")
     if not policies:
         raise argparse.ArgumentTypeError("give at least one policy")
