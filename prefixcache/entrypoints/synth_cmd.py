@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
+import stat
 import sys
 import tempfile
 
@@ -145,34 +147,64 @@ def _write_stdout(requests, args: argparse.Namespace) -> int:
 
 
 def _write_file(requests, args: argparse.Namespace) -> None:
-    """Write the trace to ``args.output``, replacing a regular file of that name only once
-    the trace is complete: it is written to a temporary file in the same directory, which
-    is renamed over the output at the end and removed on any error or interrupt. An
-    output that exists and is not a regular file (a device, a FIFO) is written directly:
-    renaming over it would replace the device. OSError if it cannot be written."""
+    """Write the trace to ``args.output``. OSError if it cannot be written.
+
+    An output that exists and is not a regular file (a device, a FIFO, ``/dev/stdout``,
+    a process substitution's ``/dev/fd/N``) is opened by its name and written directly:
+    there is nothing to replace. A regular file (or a new one) is replaced only once the
+    trace is complete: the trace is written to a temporary file in the same directory,
+    which is renamed over the output at the end and removed on any error or interrupt.
+    A file that existed keeps its permission bits; a new one gets the mode ``open()``
+    would give it. If the directory does not let the temporary file be created but the
+    existing file is writable, the trace is written into that file directly: it is then
+    not replaced atomically, and an error or interrupt leaves it partly written."""
     from prefixcache.sim.workloads import write_trace
 
+    try:
+        status = os.stat(args.output)  # of what a symbolic link names
+    except FileNotFoundError:
+        status = None
+    if status is not None and not stat.S_ISREG(status.st_mode):
+        # By the name as given: resolving /dev/stdout when it is a pipe gives
+        # /proc/<pid>/fd/pipe:[N], which cannot be opened.
+        with open(args.output, "w", encoding="utf-8") as handle:
+            write_trace(requests, handle, args.format, args.seed)
+        return
     # Through a symbolic link to the file it names: renaming over the link itself would
     # replace the link with a regular file.
     path = os.path.realpath(args.output)
-    if os.path.exists(path) and not os.path.isfile(path):
+    directory, name = os.path.split(path)
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial",
+                                         dir=directory)
+    except OSError as exc:
+        if not (status is not None and _refused_by_directory(exc)
+                and os.access(path, os.W_OK)):
+            raise
         with open(path, "w", encoding="utf-8") as handle:
             write_trace(requests, handle, args.format, args.seed)
         return
-    directory, name = os.path.split(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
     try:
-        # mkstemp's file is private (0600); give the trace the mode open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
         with open(fd, "w", encoding="utf-8") as handle:
+            if status is not None:
+                mode = stat.S_IMODE(status.st_mode)
+            else:  # mkstemp's file is private (0600); open() would have applied the umask
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            with contextlib.suppress(OSError):  # a file system without modes
+                os.fchmod(handle.fileno(), mode)
             write_trace(requests, handle, args.format, args.seed)
         os.replace(temporary, path)
     except BaseException:  # a Ctrl-C too: never leave a partial trace behind
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+def _refused_by_directory(exc: OSError) -> bool:
+    """Whether creating a file failed because the directory does not allow it."""
+    return isinstance(exc, PermissionError) or exc.errno == errno.EROFS
 
 
 def _stdout_error(reason: str) -> int:

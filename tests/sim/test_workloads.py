@@ -12,6 +12,7 @@ import random
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections import Counter, defaultdict
 
 import pytest
@@ -238,6 +239,32 @@ def test_synth_output_file_gets_the_usual_permissions(tmp_path):
     assert (tmp_path / "t.jsonl").stat().st_mode & 0o777 == 0o644
 
 
+def test_synth_over_an_existing_file_keeps_its_permissions(tmp_path):
+    out = tmp_path / "private.jsonl"
+    out.write_text("the previous trace\n")
+    out.chmod(0o600)
+    assert main(["synth", "chat", "--num-requests", "5", "-o", str(out)]) == 0
+    assert out.stat().st_mode & 0o7777 == 0o600
+    assert len(out.read_text().splitlines()) == 5
+
+
+def test_synth_writes_a_writable_file_in_place_if_its_directory_refuses_a_new_file(
+        tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    out = tmp_path / "chat.jsonl"
+    out.write_text("the previous trace\n")
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert main(["synth", "chat", "--num-requests", "5", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 5
+    # A new file has nothing to be written in place of: the error is reported.
+    assert main(["synth", "chat", "--num-requests", "5", "-o",
+                 str(tmp_path / "new.jsonl")]) == 1
+    assert "cannot write" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+
+
 @pytest.mark.parametrize("tty,shown", [(True, True), (False, False)])
 def test_synth_shows_progress_only_on_a_terminal(tmp_path, capsys, monkeypatch, tty, shown):
     import prefixcache.entrypoints.synth_cmd as synth_cmd
@@ -258,6 +285,17 @@ def _synth_process(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "prefixcache", "synth", *args],
                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), **kwargs)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/stdout"), reason="needs /dev/stdout")
+def test_synth_to_dev_stdout_writes_into_the_pipe_it_names():
+    """``synth ... -o /dev/stdout | cat``: /dev/stdout is then a pipe, written as named."""
+    result = _synth_process(["chat", "--num-requests", "3", "-o", "/dev/stdout"],
+                            stdout=subprocess.PIPE)
+    assert result.returncode == 0, result.stderr
+    assert [line["input_length"] > 0 for line in map(json.loads, result.stdout.splitlines())
+            ] == [True] * 3
+    assert result.stderr == "wrote 3 chat requests to /dev/stdout\n"
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
