@@ -21,7 +21,7 @@ from prefixcache.entrypoints.cli import main
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import infinite_cache_hit_tokens
-from prefixcache.sim.trace import load_trace
+from prefixcache.sim.trace import MAX_REQUEST_TOKENS, load_trace
 from prefixcache.sim.workloads import (
     WORKLOAD_FAMILIES,
     BlockIdInterner,
@@ -400,6 +400,39 @@ def test_generate_requests_refuses_more_than_its_bound():
 ])
 def test_drifts_within_the_bound_are_allowed(family, params):
     assert len(generate_requests(family, 1, 30, **params)) == 30
+
+
+def test_synth_refuses_requests_too_long_to_replay_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "rag.jsonl"
+    assert main(["synth", "rag", "--num-requests", "20", "--param", "output_tokens=10000000",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("rag: request 1 (counting from 0) has input_length 5,481 and output_length "
+            "17,348,671, over the 16,777,216 tokens per request that prefixcache replay "
+            "reads" in err)
+    assert err.endswith("too long for the replayer; lower output_tokens\n")
+    assert list(tmp_path.iterdir()) == []  # no partial trace, no temporary file
+
+
+def test_prompts_grown_past_the_replay_limit_name_what_to_lower():
+    with pytest.raises(ValueError, match=r"rag: request \d+ .* lower document_tokens, "
+                                         r"system_prompt_tokens, question_tokens, "
+                                         r"follow_up_probability$"):
+        generate_requests("rag", 1, 100, question_tokens=5_000_000,
+                          follow_up_probability=1)
+
+
+def test_a_request_exactly_at_the_replay_limit_is_kept(monkeypatch):
+    import prefixcache.sim.workloads as workloads
+
+    requests = generate_requests("rag", 1, 50)
+    longest = max(max(r.input_length, r.output_length) for r in requests)
+    assert longest <= MAX_REQUEST_TOKENS
+    monkeypatch.setattr(workloads, "MAX_REQUEST_TOKENS", longest)
+    assert generate_requests("rag", 1, 50) == requests
+    monkeypatch.setattr(workloads, "MAX_REQUEST_TOKENS", longest - 1)
+    with pytest.raises(ValueError, match="too long for the replayer"):
+        generate_requests("rag", 1, 50)
 
 
 def test_synth_help_names_every_family(capsys):

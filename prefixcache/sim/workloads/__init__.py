@@ -15,6 +15,7 @@ import dataclasses
 import random
 from collections.abc import Iterator
 
+from prefixcache.sim.trace import MAX_REQUEST_TOKENS
 from prefixcache.sim.workloads.agent import AgentWorkload
 from prefixcache.sim.workloads.chat import ChatWorkload
 from prefixcache.sim.workloads.mixture import MixtureWorkload
@@ -80,12 +81,38 @@ def generate_requests(family: str, seed: int, num_requests: int,
 def stream_requests(family: str, seed: int, num_requests: int,
                     **params) -> Iterator[SyntheticRequest]:
     """The requests :func:`generate_requests` returns, drawn one at a time as they are
-    taken. The arguments are checked (ValueError) before this returns; parameters that
-    leave no room for a prompt are found only while drawing, and raise ValueError then."""
+    taken. The arguments are checked (ValueError) before this returns. Two faults of the
+    parameters are found only while drawing, and raise ValueError then: no room for a
+    prompt, and a request whose prompt or output is longer than the replayer reads
+    (:data:`~prefixcache.sim.trace.MAX_REQUEST_TOKENS`), named by its index."""
     if not 1 <= num_requests <= MAX_NUM_REQUESTS:
         raise ValueError(f"num_requests must be between 1 and {MAX_NUM_REQUESTS:,}, "
                          f"got {num_requests}")
-    return make_workload(family, **params).stream(num_requests, random.Random(seed))
+    workload = make_workload(family, **params)
+    return _replayable(workload, workload.stream(num_requests, random.Random(seed)))
+
+
+def _replayable(workload, requests: Iterator[SyntheticRequest]) -> Iterator[SyntheticRequest]:
+    """``requests``, each checked to be within what ``prefixcache replay`` reads: a trace
+    it would refuse is not written at all."""
+    for index, request in enumerate(requests):
+        input_length, output_length = request.input_length, request.output_length
+        if input_length <= MAX_REQUEST_TOKENS and output_length <= MAX_REQUEST_TOKENS:
+            yield request
+            continue
+        if output_length > MAX_REQUEST_TOKENS:
+            lower = "output_tokens"
+        else:
+            names = [f.name for f in dataclasses.fields(workload)
+                     if f.name.endswith("_tokens") and f.name != "output_tokens"]
+            names += [name for name in ("follow_up_probability", "max_context_tokens")
+                      if hasattr(workload, name)]
+            lower = ", ".join(names) or "the prompts' token lengths"
+        raise ValueError(
+            f"{workload.name}: request {index:,} (counting from 0) has input_length "
+            f"{input_length:,} and output_length {output_length:,}, over the "
+            f"{MAX_REQUEST_TOKENS:,} tokens per request that prefixcache replay reads: "
+            f"these parameters make requests too long for the replayer; lower {lower}")
 
 
 __all__ = [
