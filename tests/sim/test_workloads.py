@@ -176,12 +176,34 @@ def test_traces_stay_byte_identical(family, seed, num_requests, params, trace_fo
     assert hashlib.sha256(out.getvalue().encode()).hexdigest() == sha256
 
 
-def test_synth_writes_each_request_as_it_is_drawn():
-    """``synth ... | head -1`` on the largest trace returns at once: nothing waits for the
-    whole trace (which would take many minutes and gigabytes)."""
-    result = run_with_reader_gone(["synth", "mixture", "--num-requests", "10000000"],
-                                  timeout=60)
-    assert (result.returncode, result.stderr) == (141, "")
+class SecondRequestDrawn(Exception):
+    """Raised by a stream at the moment its second request is asked for."""
+
+
+def test_synth_writes_each_request_as_it_is_drawn(monkeypatch):
+    """The first request is on standard output before the second is drawn: nothing
+    waits for the whole trace (``synth ... | head -1`` returns at once, and the trace is
+    never held in memory whole)."""
+    import prefixcache.sim.workloads as workloads
+
+    real_stream_requests = workloads.stream_requests
+    out = io.StringIO()
+    written_before_second = []
+
+    def stop_at_the_second(*args, **kwargs):
+        requests = real_stream_requests(*args, **kwargs)
+        yield next(requests)
+        written_before_second.append(out.getvalue())
+        raise SecondRequestDrawn
+
+    monkeypatch.setattr(workloads, "stream_requests", stop_at_the_second)
+    monkeypatch.setattr(sys, "stdout", out)
+    with pytest.raises(SecondRequestDrawn):
+        main(["synth", "mixture", "--seed", "1", "--num-requests", "10000000"])
+    first = io.StringIO()
+    write_trace(itertools.islice(stream_requests("mixture", 1, 10_000_000), 1), first,
+                "mooncake", 1)
+    assert written_before_second == [first.getvalue()]
 
 
 def test_synth_command_writes_a_trace_the_replayer_reads(tmp_path, capsys):
