@@ -351,7 +351,8 @@ def test_synth_to_a_reader_that_goes_away_exits_quietly():
     (["synth", "chat", "--num-requests", "5", "--param", "think_time_s=x"], "must be float"),
     (["synth", "rag", "--num-requests", "5", "--param", "num_documents=0"],
      "num_documents must be between 1 and 1,000,000, got 0"),
-    # Values that used to end in a traceback, or never end: each is refused by its range.
+    # Values no generator can draw with (an overflow, a division by zero, a draw that
+    # never ends): each is refused by its range before drawing starts.
     (["synth", "rag", "--num-requests", "5", "--param", "zipf_s=1e12"],
      "zipf_s must be between 0 and 10"),
     (["synth", "agent", "--num-requests", "5", "--param", "mean_tool_time_s=inf"],
@@ -363,7 +364,8 @@ def test_synth_to_a_reader_that_goes_away_exits_quietly():
     (["synth", "tenants", "--num-requests", "5", "--param", "follow_up_probability=1.5"],
      "follow_up_probability must be between 0 and 1"),
     (["synth", "chat"], "--num-requests is required"),
-    # A drift reshuffles every document or tenant: these took a minute for 100 requests.
+    # A drift reshuffles every document or tenant: drifts this frequent would cost each
+    # request a shuffle of far more than MAX_DRIFTING_ITEMS_PER_REQUEST items.
     (["synth", "rag", "--num-requests", "100", "--param", "num_documents=1000000",
       "--param", "popularity_drift_every=1"],
      "rag: with num_documents=1,000,000, popularity_drift_every must be 0 or at least "

@@ -93,8 +93,9 @@ def _readable(bound: float) -> str:
 #: A popularity drift reshuffles every document (tenant): its cost grows with their
 #: number, not with the trace. So there may be at most this many of them per request
 #: between drifts (``popularity_drift_every``), which bounds what drifting adds to a
-#: request at a shuffle of this many items, tens of microseconds; a million documents
-#: redrawn every request took 0.65 s a request. Every value the docs use is far within.
+#: request at a shuffle of this many items, whatever the counts: without the bound, a
+#: million documents redrawn every request would make each request cost a million-item
+#: shuffle. Every value the docs use is far within.
 MAX_DRIFTING_ITEMS_PER_REQUEST = 100
 #: The family whose popularity drifts, and the parameter counting what is reshuffled.
 DRIFTING_COUNTS = {"rag": "num_documents", "tenants": "num_tenants"}
