@@ -492,5 +492,5 @@ def test_a_mixture_whose_share_draws_all_underflow_shares_evenly():
         def gammavariate(self, alpha, beta):
             return 0.0
 
-    requests = MixtureWorkload(share_concentration=0.01).generate(200, Underflowing(1))
+    requests = list(MixtureWorkload(share_concentration=0.01).stream(200, Underflowing(1)))
     assert len(requests) == 200

@@ -2,10 +2,12 @@
 eviction policies on more than one trace (``prefixcache synth``; docs/workloads.md).
 
 Each family is a frozen dataclass of documented parameters with
-``generate(num_requests, rng) -> list[SyntheticRequest]`` (and ``stream``, the same
-requests one at a time); :func:`generate_requests` runs one by name and seed
-(:func:`stream_requests` lazily), and
-:func:`~prefixcache.sim.workloads.synthetic_request.write_trace` writes the result in the
+``stream(num_requests, rng) -> Iterator[SyntheticRequest]``: the requests in order of
+arrival, a pure function of the parameters and ``rng``'s state, drawn one at a time as
+they are taken. :func:`stream_requests` runs one by name and seed (checking its
+arguments, and that every request is one the replayer reads), :func:`generate_requests`
+returns the same requests as a list, and
+:func:`~prefixcache.sim.workloads.synthetic_request.write_trace` writes them in the
 Mooncake or token-id format the replayer reads.
 """
 

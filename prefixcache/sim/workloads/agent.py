@@ -37,12 +37,9 @@ class AgentWorkload:
 
     name = "agent"
 
-    def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
-        return list(self.stream(num_requests, rng))
-
     def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
-        """The requests :meth:`generate` returns, one at a time as they are drawn."""
+        """``num_requests`` requests, in order of arrival, drawn with ``rng`` one at a
+        time as they are taken."""
         tool_lengths = [lognormal_tokens(rng, self.tool_context_tokens, 0.3, low=256)
                         for _ in range(self.num_agents)]
         num_written = 0

@@ -46,12 +46,9 @@ class ChatWorkload:
 
     name = "chat"
 
-    def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
-        return list(self.stream(num_requests, rng))
-
     def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
-        """The requests :meth:`generate` returns, one at a time as they are drawn."""
+        """``num_requests`` requests, in order of arrival, drawn with ``rng`` one at a
+        time as they are taken."""
         system_lengths = [lognormal_tokens(rng, self.system_prompt_tokens, 0.5, low=64)
                           for _ in range(self.num_system_prompts)]
         system_chooser = ZipfChooser(rng, self.num_system_prompts, self.system_prompt_zipf_s)

@@ -37,12 +37,9 @@ class MixtureWorkload:
 
     name = "mixture"
 
-    def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
-        return list(self.stream(num_requests, rng))
-
     def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
-        """The requests :meth:`generate` returns, one at a time as they are drawn."""
+        """``num_requests`` requests, in order of arrival, drawn with ``rng`` one at a
+        time as they are taken."""
         drift = self.popularity_drift_every
         families = [self.chat, replace(self.rag, popularity_drift_every=drift), self.agent,
                     replace(self.tenants, popularity_drift_every=drift)]

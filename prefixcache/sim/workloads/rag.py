@@ -34,12 +34,9 @@ class RAGWorkload:
 
     name = "rag"
 
-    def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
-        return list(self.stream(num_requests, rng))
-
     def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
-        """The requests :meth:`generate` returns, one at a time as they are drawn."""
+        """``num_requests`` requests, in order of arrival, drawn with ``rng`` one at a
+        time as they are taken."""
         document_lengths = [lognormal_tokens(rng, self.document_tokens, 0.6, low=256,
                                              high=60_000)
                             for _ in range(self.num_documents)]

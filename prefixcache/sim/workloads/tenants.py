@@ -35,12 +35,9 @@ class TenantsWorkload:
 
     name = "tenants"
 
-    def generate(self, num_requests: int, rng: random.Random) -> list[SyntheticRequest]:
-        """``num_requests`` requests, in order of arrival, drawn with ``rng``."""
-        return list(self.stream(num_requests, rng))
-
     def stream(self, num_requests: int, rng: random.Random) -> Iterator[SyntheticRequest]:
-        """The requests :meth:`generate` returns, one at a time as they are drawn."""
+        """``num_requests`` requests, in order of arrival, drawn with ``rng`` one at a
+        time as they are taken."""
         system_lengths = [lognormal_tokens(rng, self.system_prompt_tokens, 0.9, low=64,
                                            high=24_000)
                           for _ in range(self.num_tenants)]
