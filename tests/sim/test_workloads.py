@@ -406,7 +406,7 @@ def test_synth_refuses_a_request_count_out_of_range_as_a_usage_error(num_request
     with pytest.raises(SystemExit) as exit_info:
         main(["synth", "chat", "--num-requests", num_requests])
     assert exit_info.value.code == 2
-    assert f"must be in 1..10000000, got {num_requests}" in capsys.readouterr().err
+    assert f"must be 1 to 10,000,000, got {num_requests}" in capsys.readouterr().err
 
 
 def test_generate_requests_refuses_more_than_its_bound():
