@@ -119,7 +119,9 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"prefixcache synth: error: cannot write {args.output}: "
                       f"{exc.strerror}", file=sys.stderr)
                 return 1
-    except ValueError as exc:  # bad parameters, or (found while drawing) no room for a prompt
+    # Bad parameters; or, found while drawing, no room for a prompt or a request too long
+    # to replay: _write_file has then removed its temporary file, leaving -o as it was.
+    except ValueError as exc:
         print(f"prefixcache synth: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.num_requests} {args.family} requests to {args.output}", file=sys.stderr)
