@@ -69,15 +69,22 @@ def float_at_least(low: float):
     return convert
 
 
+def _shown(text: str) -> str:
+    """``text`` as an error message shows it: whole up to 40 characters, else its start
+    and its length (a message must not repeat a 5,000-character argument)."""
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text):,} characters)"
+
+
 def int_in_range(low: int, high: int):
     """A converter for an integer in ``low .. high`` (both included)."""
     def convert(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"not an integer: {_shown(text)!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {low:,} to {high:,}, got "
+                                             f"{_shown(text)}")
         return value
     return convert
 

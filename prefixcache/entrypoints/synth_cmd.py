@@ -12,7 +12,7 @@ import stat
 import sys
 import tempfile
 
-from prefixcache.arg_types import non_negative_int
+from prefixcache.arg_types import int_in_range, non_negative_int
 from prefixcache.entrypoints.cli import discard_stdout
 
 DESCRIPTION = """\
@@ -50,22 +50,6 @@ def _param(text: str) -> tuple[str, str]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {shortened(text)}")
     return name.strip(), value.strip()
-
-
-def _num_requests(text: str) -> int:
-    """A request count, 1 to :data:`MAX_NUM_REQUESTS`, worded as the docs and
-    ``eviction_suite`` word it."""
-    from prefixcache.sim.workloads import MAX_NUM_REQUESTS
-    from prefixcache.sim.workloads.parameter_ranges import shortened
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {shortened(text)}") from None
-    if not 1 <= value <= MAX_NUM_REQUESTS:
-        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_NUM_REQUESTS:,}, "
-                                         f"got {shortened(value)}")
-    return value
 
 
 def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
@@ -240,7 +224,7 @@ def register(subparsers) -> None:
     parser.add_argument("family", choices=list(WORKLOAD_FAMILIES), help="workload family")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="random seed (default %(default)s)")
-    parser.add_argument("--num-requests", type=_num_requests,
+    parser.add_argument("--num-requests", type=int_in_range(1, MAX_NUM_REQUESTS),
                         metavar="N", help=f"number of requests to write, 1 to "
                                           f"{MAX_NUM_REQUESTS:,} (required)")
     parser.add_argument("-o", "--output", default="-", metavar="FILE",
