@@ -200,6 +200,20 @@ def _why_not_writable(path: str) -> str | None:
     return None
 
 
+def _file_size(path: str) -> int | None:
+    """The size of the trace at ``path`` for the reading progress bar; None (a bar
+    without a total) for standard input or anything without one."""
+    from prefixcache.sim.trace import STDIN_PATH
+
+    if path == STDIN_PATH:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:  # load_trace says why
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
 def _is_stdout(flag: str, path: str) -> bool:
     return flag == "--json" and path == STDOUT_PATH
 
@@ -263,9 +277,12 @@ def run(args: argparse.Namespace) -> int:
         reason = path and not _is_stdout(flag, path) and _why_not_writable(path)
         if reason:
             return _error(f"{flag}: {reason}")
+    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     try:
-        trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
-                           max_requests=args.max_requests)
+        with tqdm(total=_file_size(args.trace), desc="reading", unit="B", unit_scale=True,
+                  disable=not show_progress) as bar:
+            trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
+                               max_requests=args.max_requests, progress=bar.update)
     except TraceFormatError as exc:
         return _error(str(exc))
     if trace.num_bad_lines:
@@ -278,7 +295,6 @@ def run(args: argparse.Namespace) -> int:
     # table then goes to stderr, or nowhere if stderr is closed (print(file=None) would
     # send it to stdout).
     report = sys.stderr if args.json == STDOUT_PATH else sys.stdout
-    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     num_requests = len(trace.requests)
     try:
         expander = TraceExpander(args.block_size)

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,9 +187,11 @@ _BYTE_ORDER_MARK = "\ufeff"
 
 
 def load_trace(path: str | Path, skip_bad_lines: bool = False,
-               max_requests: int | None = None) -> Trace:
+               max_requests: int | None = None,
+               progress: Callable[[int], object] | None = None) -> Trace:
     """Parse a trace file, or standard input for ``-``; at most ``max_requests`` requests
-    (all when None).
+    (all when None). ``progress``, if given, is called with the size of each line read
+    (in bytes; in characters for a text stream without a byte buffer).
 
     Raises :class:`TraceFormatError` for a missing or unreadable file (or a closed standard
     input), a bad line (unless ``skip_bad_lines``), or a trace with no requests.
@@ -200,8 +202,8 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
         # Its bytes, decoded here as UTF-8 whatever the locale says (a trace's encoding
         # does not depend on who pipes it in); a text stream without a byte buffer is
         # read as it is.
-        return _read_trace(getattr(sys.stdin, "buffer", sys.stdin), STDIN_NAME,
-                           skip_bad_lines, max_requests)
+        return _read_trace(_counted(getattr(sys.stdin, "buffer", sys.stdin), progress),
+                           STDIN_NAME, skip_bad_lines, max_requests)
     path = Path(path)
     name = printable_path(path)
     try:
@@ -211,7 +213,22 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
     except OSError as exc:
         raise TraceFormatError(f"{name}: cannot open trace: {exc.strerror}") from None
     with handle:
-        return _read_trace(handle, name, skip_bad_lines, max_requests)
+        return _read_trace(_counted(handle, progress), name, skip_bad_lines, max_requests)
+
+
+def _counted(lines: Iterable[bytes | str],
+             progress: Callable[[int], object] | None) -> Iterable[bytes | str]:
+    """``lines``, reporting each one's size to ``progress`` as it is read."""
+    if progress is None:
+        return lines
+    return _reporting(lines, progress)
+
+
+def _reporting(lines: Iterable[bytes | str],
+               progress: Callable[[int], object]) -> Iterator[bytes | str]:
+    for line in lines:
+        progress(len(line))
+        yield line
 
 
 def _decode(line: bytes | str, line_no: int) -> str:

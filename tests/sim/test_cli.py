@@ -498,6 +498,7 @@ def test_progress_bar_only_on_a_terminal_and_not_with_quiet(small_trace, capsys,
     assert main(argv + (["--quiet"] if quiet else [])) == 0
     err = capsys.readouterr().err
     assert ("hashing" in err and "replaying" in err and "200/200" in err) == shown
+    assert ("reading" in err) == shown  # the trace's bytes, before anything else
     if not shown:
         assert err == ""
 

@@ -202,3 +202,11 @@ def test_lines_may_end_as_on_any_system(tmp_path, line_end):
     trace = load_trace(path, skip_bad_lines=True)
     assert [r.hash_ids for r in trace.requests] == [(1,), (2,)]
     assert trace.num_bad_lines == 1
+
+
+def test_progress_is_told_every_byte_read(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'[1, 2]\n\n{"input_length": 8, "hash_ids": [1]}\r\n[3]')
+    sizes = []
+    assert len(load_trace(path, progress=sizes.append).requests) == 3
+    assert sum(sizes) == path.stat().st_size and len(sizes) == 4
