@@ -43,7 +43,8 @@ def lofo_score(figures: dict) -> float:
 
 def leave_one_out(per_value: dict[str, dict[str, dict]]) -> dict:
     """For each trace, the variant best on the others, and the trace's figures under it
-    (``per_value[variant][trace]`` holds :func:`adaptive_figures`)."""
+    (``per_value[variant][trace]`` holds :func:`gap_figures` of ``adaptive`` under that
+    variant)."""
     traces = list(next(iter(per_value.values())))
     report = {}
     for left_out in traces:
