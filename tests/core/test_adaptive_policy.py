@@ -12,7 +12,12 @@ from prefixcache.core.eviction.adaptive import (
     AdaptiveFreeBlockQueue,
     Candidate,
 )
-from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
+from prefixcache.core.eviction.shadow import (
+    NATIVE_SHADOWS,
+    NativeShadowSegmentedLRU,
+    PythonShadowSegmentedLRU,
+    python_sampled_hashes,
+)
 from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
@@ -27,8 +32,15 @@ def test_registered():
     assert EVICTION_POLICIES["adaptive"] is AdaptiveFreeBlockQueue
 
 
-def test_unprotected_shadow_is_lru_over_hashes():
-    shadow = ShadowSegmentedLRU(3, 0.0)
+#: Both implementations of the shadow (shadow.py): the C one only where it was built.
+SHADOW_TYPES = [pytest.param(PythonShadowSegmentedLRU, id="python"),
+                pytest.param(NativeShadowSegmentedLRU, id="c", marks=pytest.mark.skipif(
+                    not NATIVE_SHADOWS, reason="built without a C compiler"))]
+
+
+@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
+def test_unprotected_shadow_is_lru_over_hashes(shadow_type):
+    shadow = shadow_type(3, 0.0)
     for block_hash in (b"a", b"b", b"c", b"d"):  # "a" is the oldest: evicted for "d"
         shadow.access([block_hash])
     shadow.access([b"a"])
@@ -38,8 +50,9 @@ def test_unprotected_shadow_is_lru_over_hashes():
     assert not shadow.protected
 
 
-def test_protected_shadow_keeps_reused_hashes_through_a_scan():
-    lru, segmented = ShadowSegmentedLRU(4, 0.0), ShadowSegmentedLRU(4, 0.5)
+@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
+def test_protected_shadow_keeps_reused_hashes_through_a_scan(shadow_type):
+    lru, segmented = shadow_type(4, 0.0), shadow_type(4, 0.5)
     for shadow in (lru, segmented):
         shadow.access([b"p"])
         shadow.access([b"p"])  # referenced again: protected in the segmented shadow
@@ -48,8 +61,9 @@ def test_protected_shadow_keeps_reused_hashes_through_a_scan():
     assert (lru.num_hits, segmented.num_hits) == (1, 2)
 
 
-def test_low_reuse_shadow_evicts_marked_new_hashes_first():
-    plain, low_first = ShadowSegmentedLRU(3, 0.0), ShadowSegmentedLRU(3, 0.0, True)
+@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
+def test_low_reuse_shadow_evicts_marked_new_hashes_first(shadow_type):
+    plain, low_first = shadow_type(3, 0.0), shadow_type(3, 0.0, True)
     for shadow in (plain, low_first):
         shadow.access([b"doc"])
         shadow.access([b"x1", b"x2", b"x3"], {b"x1", b"x2", b"x3"})  # one-off, low reuse
@@ -147,6 +161,28 @@ def test_never_far_below_lru_on_small_generated_traces(family, tmp_path):
         lru = replay(prepared, ReplayConfig(num_blocks, "lru")).hit_rate
         adaptive = replay(prepared, ReplayConfig(num_blocks, "adaptive")).hit_rate
         assert adaptive >= lru - 0.002, (num_blocks, lru, adaptive)
+
+
+@pytest.mark.skipif(not NATIVE_SHADOWS, reason="built without a C compiler")
+def test_the_c_shadows_change_no_decision(tmp_path, monkeypatch):
+    """A replay under the C shadows and sample is the replay under the Python ones, hit
+    for hit, choice for choice (small shadows, so that the sample filters hashes)."""
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests("mixture", 3, 400), handle, "mooncake", 3)
+    prepared = prepare_trace(load_trace(path), TraceExpander(512))
+    monkeypatch.setattr(AdaptiveFreeBlockQueue, "shadow_entries", 24)
+    for num_blocks in (60, 240):
+        native = replay(prepared, ReplayConfig(num_blocks, "adaptive"))
+        with monkeypatch.context() as python_shadows:
+            python_shadows.setattr(AdaptiveFreeBlockQueue, "shadow_type",
+                                   PythonShadowSegmentedLRU)
+            python_shadows.setattr(AdaptiveFreeBlockQueue, "sampled_hashes",
+                                   staticmethod(python_sampled_hashes))
+            python = replay(prepared, ReplayConfig(num_blocks, "adaptive"))
+        assert native.num_hit_tokens == python.num_hit_tokens > 0
+        assert native.num_evictions == python.num_evictions > 0
+        assert native.policy_state == python.policy_state
 
 
 def test_evicts_the_new_content_of_long_answers_first_once_it_learns_they_are_one_offs():

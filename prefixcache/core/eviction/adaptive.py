@@ -67,7 +67,7 @@ from prefixcache.core.eviction.segmented import (
     TwoQueueFreeBlockQueue,
     TwoSegmentFreeBlockQueue,
 )
-from prefixcache.core.eviction.shadow import ShadowSegmentedLRU
+from prefixcache.core.eviction.shadow import ShadowSegmentedLRU, sampled_hashes
 from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
@@ -124,6 +124,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # num_blocks.
     reuse_memory_factor = 8
     candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
+    # The shadows and the sample, in C when the package was built with a compiler (the
+    # same decisions either way: shadow.py).
+    shadow_type = ShadowSegmentedLRU
+    sampled_hashes = staticmethod(sampled_hashes)
 
     @property
     def ghost_factor(self) -> int:
@@ -140,8 +144,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.sample_threshold = max(1, min(256, round(256 * self.shadow_entries / num_blocks)))
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
-        self.shadows = [ShadowSegmentedLRU(shadow_capacity, c.protected_fraction,
-                                           c.low_reuse_first, c.ghost_factor)
+        self.shadows = [self.shadow_type(shadow_capacity, c.protected_fraction,
+                                        c.low_reuse_first, c.ghost_factor)
                         for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
@@ -304,7 +308,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     def _observe(self, block_hashes: list[BlockHash],
                  low_reuse_hashes: set[BlockHash] | None) -> None:
         threshold = self.sample_threshold
-        sampled = ([h for h in block_hashes if h[-1] < threshold] if threshold < 256
+        sampled = (self.sampled_hashes(block_hashes, threshold) if threshold < 256
                    else block_hashes)
         if not sampled:
             return

@@ -1,16 +1,25 @@
 """Shadow caches: hash-only miniatures of a free-queue order, fed a sample of the traffic,
 that count the hits the order would have had. ``adaptive`` runs one per candidate order
-and follows the one that would have hit most."""
+and follows the one that would have hit most.
+
+:class:`PythonShadowSegmentedLRU` is the reference. The package also builds the same
+contract in C (``_shadow_native.c``), because ``adaptive`` feeds five shadows on every
+finished request and in Python they cost more than the rest of the policy; the tests hold
+the two to the same keys in the same orders. :data:`ShadowSegmentedLRU` and
+:func:`sampled_hashes` are what ``adaptive`` uses: the C ones when the package was built
+with a C compiler (:data:`NATIVE_SHADOWS`), else the Python ones. Either way every
+decision is the same; only the cost differs.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from prefixcache.core.hashing import BlockHash
 
 
-class ShadowSegmentedLRU:
+class PythonShadowSegmentedLRU:
     """A hash-only segmented LRU of ``capacity`` entries with ``2q``'s promotion rules:
     a hash seen again while held, or while in the ghost list of its last
     ``ghost_factor * capacity`` evictions, is protected; protected holds at most
@@ -116,3 +125,25 @@ class ShadowSegmentedLRU:
         self.probation.clear()
         self.protected.clear()
         self.ghost.clear()
+
+
+def python_sampled_hashes(block_hashes: Sequence[BlockHash], threshold: int) -> list[BlockHash]:
+    """The hashes whose last byte is below ``threshold``, in order: a spatial sample (a
+    hash is always in or always out)."""
+    return [block_hash for block_hash in block_hashes if block_hash[-1] < threshold]
+
+
+try:
+    from prefixcache.core.eviction._shadow_native import (
+        ShadowSegmentedLRU as NativeShadowSegmentedLRU,
+    )
+    from prefixcache.core.eviction._shadow_native import (
+        sampled_hashes as native_sampled_hashes,
+    )
+except ImportError:  # built without a C compiler: the Python ones decide the same
+    NativeShadowSegmentedLRU = native_sampled_hashes = None
+
+#: Whether ``adaptive`` runs the C shadows.
+NATIVE_SHADOWS = NativeShadowSegmentedLRU is not None
+ShadowSegmentedLRU = NativeShadowSegmentedLRU if NATIVE_SHADOWS else PythonShadowSegmentedLRU
+sampled_hashes = native_sampled_hashes if NATIVE_SHADOWS else python_sampled_hashes

@@ -1,0 +1,552 @@
+/* adaptive's shadow caches in C.
+ *
+ * ShadowSegmentedLRU here keeps the contract of the Python class of the same name in
+ * shadow.py, which is the reference: the same segments in the same orders, the same hit
+ * counts, decision for decision (tests/core/test_shadow_cache.py runs both against one
+ * model). It exists for speed: adaptive feeds five shadows on every finished request, and
+ * in Python their dictionary operations and the interpreter between them cost more than
+ * the rest of the policy. Keys must be bytes (block hashes), which also means the type
+ * holds no reference that could lead back to it, so it needs no cycle collection.
+ *
+ * Layout: every key held (in a segment or the ghost list) has one entry in an array;
+ * entries are linked, by index, into one doubly linked list per segment, head = least
+ * recent; an open-addressing table (linear probing, deletion by backward shift) maps a
+ * key to its entry. The table's order never matters: only the lists carry order, so the
+ * per-process randomized hash of bytes is fine to place keys with.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+
+/* Segments, evicted in this order: low-reuse, probation, protected. Then the ghost list
+ * of evicted keys, and PENDING: unlinked, about to rejoin probation. */
+enum { LOW_REUSE = 0, PROBATION = 1, PROTECTED = 2, GHOST = 3, NUM_LISTS = 4, PENDING = 4 };
+#define NONE ((Py_ssize_t)-1)
+#define ERROR ((Py_ssize_t)-2)
+
+typedef struct {
+    PyObject *key; /* a bytes object, owned; NULL while the entry is free */
+    Py_hash_t hash;
+    Py_ssize_t prev, next; /* within its list; the free list chains through next */
+    int list;
+} Entry;
+
+typedef struct {
+    Py_ssize_t head, tail, size;
+} List;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t capacity, max_ghost, max_protected;
+    char low_reuse_first; /* a char: T_BOOL's size */
+    double num_hits;
+    Entry *entries;
+    Py_ssize_t num_entries_allocated, num_entries_used, free_entry;
+    Py_ssize_t *slots; /* entry index or NONE */
+    size_t slot_mask;
+    Py_ssize_t num_keys;
+    List lists[NUM_LISTS];
+} Shadow;
+
+/* -- lists ---------------------------------------------------------------------------- */
+
+static void
+list_append(Shadow *self, int list, Py_ssize_t index)
+{
+    List *l = &self->lists[list];
+    Entry *e = &self->entries[index];
+    e->list = list;
+    e->prev = l->tail;
+    e->next = NONE;
+    if (l->tail == NONE)
+        l->head = index;
+    else
+        self->entries[l->tail].next = index;
+    l->tail = index;
+    l->size++;
+}
+
+static void
+list_unlink(Shadow *self, Py_ssize_t index)
+{
+    Entry *e = &self->entries[index];
+    List *l = &self->lists[e->list];
+    if (e->prev == NONE)
+        l->head = e->next;
+    else
+        self->entries[e->prev].next = e->next;
+    if (e->next == NONE)
+        l->tail = e->prev;
+    else
+        self->entries[e->next].prev = e->prev;
+    l->size--;
+    e->list = PENDING;
+}
+
+/* -- the key table -------------------------------------------------------------------- */
+
+static int
+table_allocate(Shadow *self, size_t num_slots)
+{
+    Py_ssize_t *slots = PyMem_Malloc(num_slots * sizeof(Py_ssize_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < num_slots; i++)
+        slots[i] = NONE;
+    PyMem_Free(self->slots);
+    self->slots = slots;
+    self->slot_mask = num_slots - 1;
+    for (Py_ssize_t index = 0; index < self->num_entries_used; index++) {
+        Entry *e = &self->entries[index];
+        if (e->key == NULL)
+            continue;
+        size_t i = (size_t)e->hash & self->slot_mask;
+        while (slots[i] != NONE)
+            i = (i + 1) & self->slot_mask;
+        slots[i] = index;
+    }
+    return 0;
+}
+
+/* Room for one more key: the table at most half full, and a free entry. */
+static int
+make_room(Shadow *self)
+{
+    if ((size_t)(self->num_keys + 1) * 2 > self->slot_mask + 1) {
+        if (table_allocate(self, (self->slot_mask + 1) * 2) < 0)
+            return -1;
+    }
+    if (self->free_entry == NONE && self->num_entries_used == self->num_entries_allocated) {
+        Py_ssize_t n = self->num_entries_allocated * 2;
+        Entry *entries = PyMem_Realloc(self->entries, n * sizeof(Entry));
+        if (entries == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->entries = entries;
+        self->num_entries_allocated = n;
+    }
+    return 0;
+}
+
+/* The entry holding `key`, or NONE with *slot where it would go. */
+static Py_ssize_t
+find(Shadow *self, PyObject *key, Py_hash_t hash, size_t *slot)
+{
+    Py_ssize_t size = PyBytes_GET_SIZE(key);
+    const char *data = PyBytes_AS_STRING(key);
+    size_t i = (size_t)hash & self->slot_mask;
+    for (;;) {
+        Py_ssize_t index = self->slots[i];
+        if (index == NONE) {
+            *slot = i;
+            return NONE;
+        }
+        Entry *e = &self->entries[index];
+        if (e->key == key
+            || (e->hash == hash && PyBytes_GET_SIZE(e->key) == size
+                && memcmp(PyBytes_AS_STRING(e->key), data, size) == 0))
+            return index;
+        i = (i + 1) & self->slot_mask;
+    }
+}
+
+static Py_ssize_t
+insert(Shadow *self, PyObject *key, Py_hash_t hash, size_t slot, int list)
+{
+    Py_ssize_t index = self->free_entry;
+    if (index != NONE)
+        self->free_entry = self->entries[index].next;
+    else
+        index = self->num_entries_used++;
+    Entry *e = &self->entries[index];
+    Py_INCREF(key);
+    e->key = key;
+    e->hash = hash;
+    self->slots[slot] = index;
+    self->num_keys++;
+    list_append(self, list, index);
+    return index;
+}
+
+/* Drop the key of entry `index` (unlinked from its list first). */
+static void
+delete(Shadow *self, Py_ssize_t index)
+{
+    Entry *e = &self->entries[index];
+    size_t mask = self->slot_mask;
+    size_t i = (size_t)e->hash & mask;
+    while (self->slots[i] != index)
+        i = (i + 1) & mask;
+    /* Backward shift: move later keys of the probe run into the hole, unless the slot
+     * they hash to lies cyclically after the hole (they would become unreachable). */
+    for (;;) {
+        self->slots[i] = NONE;
+        size_t j = i;
+        for (;;) {
+            j = (j + 1) & mask;
+            Py_ssize_t other = self->slots[j];
+            if (other == NONE)
+                goto shifted;
+            size_t home = (size_t)self->entries[other].hash & mask;
+            int home_after_hole = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+            if (!home_after_hole) {
+                self->slots[i] = other;
+                i = j;
+                break;
+            }
+        }
+    }
+shifted:
+    if (e->list != PENDING)
+        list_unlink(self, index);
+    PyObject *key = e->key;
+    e->key = NULL;
+    e->next = self->free_entry;
+    self->free_entry = index;
+    self->num_keys--;
+    Py_DECREF(key);
+}
+
+static void
+forget_all(Shadow *self)
+{
+    for (Py_ssize_t index = 0; index < self->num_entries_used; index++)
+        Py_CLEAR(self->entries[index].key);
+    for (size_t i = 0; i <= self->slot_mask; i++)
+        self->slots[i] = NONE;
+    self->num_entries_used = 0;
+    self->free_entry = NONE;
+    self->num_keys = 0;
+    for (int l = 0; l < NUM_LISTS; l++)
+        self->lists[l] = (List){NONE, NONE, 0};
+}
+
+/* -- the type ------------------------------------------------------------------------- */
+
+static int
+Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"capacity", "protected_fraction", "low_reuse_first",
+                             "ghost_factor", NULL};
+    Py_ssize_t capacity, ghost_factor = 1;
+    double protected_fraction;
+    int low_reuse_first = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nd|pn", kwlist, &capacity,
+                                     &protected_fraction, &low_reuse_first, &ghost_factor))
+        return -1;
+    if (ghost_factor < 0) {
+        PyErr_SetString(PyExc_ValueError, "ghost_factor must not be negative");
+        return -1;
+    }
+    if (!(protected_fraction >= 0.0 && protected_fraction <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "protected_fraction must be 0 to 1");
+        return -1;
+    }
+    self->capacity = capacity > 1 ? capacity : 1;
+    if (ghost_factor > PY_SSIZE_T_MAX / 4 / self->capacity) {
+        PyErr_SetString(PyExc_OverflowError, "capacity * ghost_factor is too large");
+        return -1;
+    }
+    self->max_ghost = ghost_factor * self->capacity;
+    /* As Python's int(protected_fraction * capacity): the same double, truncated. */
+    self->max_protected = (Py_ssize_t)(protected_fraction * (double)self->capacity);
+    self->low_reuse_first = (char)low_reuse_first;
+    self->num_hits = 0.0;
+    if (self->entries == NULL) {
+        self->num_entries_allocated = 64;
+        self->entries = PyMem_Malloc(self->num_entries_allocated * sizeof(Entry));
+        if (self->entries == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->num_entries_used = 0;
+        if (table_allocate(self, 128) < 0)
+            return -1;
+    }
+    forget_all(self);
+    return 0;
+}
+
+static void
+Shadow_dealloc(Shadow *self)
+{
+    if (self->entries != NULL) {
+        for (Py_ssize_t index = 0; index < self->num_entries_used; index++)
+            Py_CLEAR(self->entries[index].key);
+    }
+    PyMem_Free(self->entries);
+    PyMem_Free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+check_ready(Shadow *self)
+{
+    if (self->entries == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ShadowSegmentedLRU.__init__ was not called");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(access_doc,
+"access(hashes, low_reuse_hashes=()) -> int\n\n"
+"One request's sampled hashes (distinct bytes), prefix first: count the held ones as\n"
+"hits, then make all of them the most recent, the deepest least recent. New hashes in\n"
+"low_reuse_hashes go to the low-reuse segment when this shadow evicts such content\n"
+"first. Returns the number of hits.");
+
+static PyObject *
+Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"hashes", "low_reuse_hashes", NULL};
+    PyObject *hashes, *marks = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &hashes, &marks))
+        return NULL;
+    if (check_ready(self) < 0)
+        return NULL;
+    PyObject *sequence = PySequence_Fast(hashes, "hashes must be a sequence of bytes");
+    if (sequence == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
+    PyObject **items = PySequence_Fast_ITEMS(sequence);
+    if (!self->low_reuse_first)
+        marks = NULL;
+    int protecting = self->max_protected > 0;
+    /* With nothing protected, what would be promoted rejoins probation after the
+     * request's new hashes: collected here, in order, until the loop ends. */
+    Py_ssize_t *promoted = NULL, num_promoted = 0;
+    if (!protecting && n > 0) {
+        promoted = PyMem_Malloc(n * sizeof(Py_ssize_t));
+        if (promoted == NULL) {
+            Py_DECREF(sequence);
+            return PyErr_NoMemory();
+        }
+    }
+    Py_ssize_t num_hits = 0;
+    int failed = 0;
+    for (Py_ssize_t k = n - 1; k >= 0; k--) {
+        PyObject *key = items[k];
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "a shadow's hashes must be bytes, not %.100s",
+                         Py_TYPE(key)->tp_name);
+            failed = 1;
+            break;
+        }
+        Py_hash_t hash = PyObject_Hash(key);
+        if (hash == -1 || make_room(self) < 0) {
+            failed = 1;
+            break;
+        }
+        size_t slot;
+        Py_ssize_t index = find(self, key, hash, &slot);
+        if (index == NONE) {
+            int marked = 0;
+            if (marks != NULL) {
+                marked = PySequence_Contains(marks, key);
+                if (marked < 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+            insert(self, key, hash, slot, marked ? LOW_REUSE : PROBATION);
+            continue;
+        }
+        int list = self->entries[index].list;
+        if (list == PENDING)
+            continue; /* a repeat within the request: already placed */
+        if (list != GHOST)
+            num_hits++;
+        list_unlink(self, index);
+        if (protecting)
+            list_append(self, PROTECTED, index);
+        else
+            promoted[num_promoted++] = index;
+    }
+    for (Py_ssize_t k = 0; k < num_promoted; k++)
+        list_append(self, PROBATION, promoted[k]);
+    PyMem_Free(promoted);
+    Py_DECREF(sequence);
+    if (num_hits)
+        self->num_hits += (double)num_hits;
+    List *lists = self->lists;
+    while (lists[PROTECTED].size > self->max_protected) {
+        Py_ssize_t index = lists[PROTECTED].head;
+        list_unlink(self, index);
+        list_append(self, PROBATION, index);
+    }
+    Py_ssize_t num_evicted = lists[LOW_REUSE].size + lists[PROBATION].size
+                             + lists[PROTECTED].size - self->capacity;
+    if (num_evicted > 0) {
+        for (Py_ssize_t k = 0; k < num_evicted; k++) {
+            int from = lists[LOW_REUSE].size ? LOW_REUSE
+                       : lists[PROBATION].size ? PROBATION : PROTECTED;
+            Py_ssize_t index = lists[from].head;
+            list_unlink(self, index);
+            list_append(self, GHOST, index);
+        }
+        while (lists[GHOST].size > self->max_ghost)
+            delete(self, lists[GHOST].head);
+    }
+    if (failed)
+        return NULL;
+    return PyLong_FromSsize_t(num_hits);
+}
+
+static PyObject *
+Shadow_forget(Shadow *self, PyObject *Py_UNUSED(ignored))
+{
+    if (check_ready(self) < 0)
+        return NULL;
+    forget_all(self);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t
+Shadow_len(Shadow *self)
+{
+    return self->lists[LOW_REUSE].size + self->lists[PROBATION].size
+           + self->lists[PROTECTED].size;
+}
+
+/* A list's keys, least recent first (the segments are views in Python; copies here). */
+static PyObject *
+Shadow_get_list(Shadow *self, void *closure)
+{
+    int list = (int)(Py_ssize_t)closure;
+    PyObject *keys = PyList_New(0);
+    if (keys == NULL || self->entries == NULL)
+        return keys;
+    for (Py_ssize_t index = self->lists[list].head; index != NONE;
+         index = self->entries[index].next) {
+        if (PyList_Append(keys, self->entries[index].key) < 0) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+    }
+    return keys;
+}
+
+static PyMethodDef Shadow_methods[] = {
+    {"access", (PyCFunction)(void (*)(void))Shadow_access, METH_VARARGS | METH_KEYWORDS,
+     access_doc},
+    {"forget", (PyCFunction)Shadow_forget, METH_NOARGS, "Drop every key held and the ghost."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Shadow_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(Shadow, capacity), READONLY, NULL},
+    {"max_ghost", T_PYSSIZET, offsetof(Shadow, max_ghost), READONLY, NULL},
+    {"max_protected", T_PYSSIZET, offsetof(Shadow, max_protected), READONLY, NULL},
+    {"low_reuse_first", T_BOOL, offsetof(Shadow, low_reuse_first), READONLY, NULL},
+    {"num_hits", T_DOUBLE, offsetof(Shadow, num_hits), 0,
+     "hits counted so far; the caller may scale it (decay)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Shadow_getset[] = {
+    {"low_reuse", (getter)Shadow_get_list, NULL, "low-reuse keys, least recent first",
+     (void *)(Py_ssize_t)LOW_REUSE},
+    {"probation", (getter)Shadow_get_list, NULL, "probation keys, least recent first",
+     (void *)(Py_ssize_t)PROBATION},
+    {"protected", (getter)Shadow_get_list, NULL, "protected keys, least recent first",
+     (void *)(Py_ssize_t)PROTECTED},
+    {"ghost", (getter)Shadow_get_list, NULL, "evicted keys, least recent first",
+     (void *)(Py_ssize_t)GHOST},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Shadow_as_sequence = {
+    .sq_length = (lenfunc)Shadow_len,
+};
+
+static PyTypeObject ShadowType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "prefixcache.core.eviction._shadow_native.ShadowSegmentedLRU",
+    .tp_basicsize = sizeof(Shadow),
+    .tp_dealloc = (destructor)Shadow_dealloc,
+    .tp_as_sequence = &Shadow_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ShadowSegmentedLRU(capacity, protected_fraction, low_reuse_first=False, "
+              "ghost_factor=1)\n\nshadow.py's ShadowSegmentedLRU, in C (keys are bytes).",
+    .tp_methods = Shadow_methods,
+    .tp_members = Shadow_members,
+    .tp_getset = Shadow_getset,
+    .tp_init = (initproc)Shadow_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* -- the sample ----------------------------------------------------------------------- */
+
+PyDoc_STRVAR(sampled_hashes_doc,
+"sampled_hashes(hashes, threshold) -> list\n\n"
+"The hashes (non-empty bytes) whose last byte is below threshold, in order.");
+
+static PyObject *
+sampled_hashes(PyObject *module, PyObject *args)
+{
+    PyObject *hashes;
+    int threshold;
+    if (!PyArg_ParseTuple(args, "Oi", &hashes, &threshold))
+        return NULL;
+    PyObject *sequence = PySequence_Fast(hashes, "hashes must be a sequence of bytes");
+    if (sequence == NULL)
+        return NULL;
+    PyObject *sampled = PyList_New(0);
+    if (sampled == NULL) {
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
+    PyObject **items = PySequence_Fast_ITEMS(sequence);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *key = items[k];
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) == 0) {
+            PyErr_SetString(PyExc_TypeError, "hashes must be non-empty bytes");
+            goto error;
+        }
+        unsigned char last = (unsigned char)PyBytes_AS_STRING(key)[PyBytes_GET_SIZE(key) - 1];
+        if (last < threshold && PyList_Append(sampled, key) < 0)
+            goto error;
+    }
+    Py_DECREF(sequence);
+    return sampled;
+error:
+    Py_DECREF(sequence);
+    Py_DECREF(sampled);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"sampled_hashes", sampled_hashes, METH_VARARGS, sampled_hashes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "prefixcache.core.eviction._shadow_native",
+    .m_doc = "adaptive's shadow caches and hash sample in C (see shadow.py).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__shadow_native(void)
+{
+    if (PyType_Ready(&ShadowType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&ShadowType);
+    if (PyModule_AddObject(module, "ShadowSegmentedLRU", (PyObject *)&ShadowType) < 0) {
+        Py_DECREF(&ShadowType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
