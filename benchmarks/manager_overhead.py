@@ -16,8 +16,13 @@ For a same-run comparison point, it also times vLLM's hash input encoding (pickl
 encoding. vLLM's whole manager cannot be installed here (no CPU wheel); the issue quotes
 ~500 us per lifecycle for it with sha256 on this machine.
 
+``adaptive`` runs its shadow caches in C when the package was built with a compiler;
+``--python-shadows`` times it with the Python ones instead (the same decisions), which is
+what it costs where the package was installed without one.
+
     python benchmarks/manager_overhead.py [--requests 500] [--repeats 3] [--quick]
         [--policies lru,adaptive,...] [--policy-num-blocks 4096] [--policy-warmup N]
+        [--python-shadows]
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ from collections import deque
 
 from prefixcache.arg_types import name_list
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.shadow import (
+    NATIVE_SHADOWS,
+    PythonShadowSegmentedLRU,
+    python_sampled_hashes,
+)
 from prefixcache.entrypoints.cli import run_with_exit_codes
 
 NUM_BLOCKS = 4096
@@ -311,6 +322,9 @@ def run(argv: list[str] | None) -> int:
                              f"blocks, so that is {NEW_BLOCKS_PER_REQUEST / 4:g} pool-fulls: "
                              "the longest ghost list, 4 pool-fulls of hashes, is full by "
                              "then)")
+    parser.add_argument("--python-shadows", action="store_true",
+                        help="run adaptive's shadow caches in Python even where the "
+                             "package built them in C (the same decisions, more cost)")
     args = parser.parse_args(argv)
     if args.requests <= MAX_LIVE:  # the free operation would have no sample to summarise
         parser.error(f"--requests must be at least {MAX_LIVE + 1}: a request is freed "
@@ -337,6 +351,9 @@ def run(argv: list[str] | None) -> int:
     if unknown:
         parser.error(f"unknown eviction policies {', '.join(unknown)}; choose from "
                      f"{', '.join(EVICTION_POLICIES)}")
+    if args.python_shadows:
+        AdaptiveFreeBlockQueue.shadow_type = PythonShadowSegmentedLRU
+        AdaptiveFreeBlockQueue.sampled_hashes = staticmethod(python_sampled_hashes)
     prompts = make_prompts(args.requests)
 
     configs = [("sha256", True, False, False)]
@@ -381,7 +398,10 @@ def run(argv: list[str] | None) -> int:
         "hash_encoding_vs_vllm_style": hash_encoding_comparison(prompts[:200], args.repeats),
         "eviction_policy_workload": {"num_blocks": args.policy_num_blocks,
                                      "warmup_requests": args.policy_warmup,
-                                     "timed_requests": args.requests},
+                                     "timed_requests": args.requests,
+                                     "adaptive_shadows": ("c" if NATIVE_SHADOWS
+                                                          and not args.python_shadows
+                                                          else "python")},
         "eviction_policies": eviction_policy_comparison(
             make_prompts(args.policy_warmup + args.requests), args.repeats, policies,
             args.policy_warmup, args.policy_num_blocks),

@@ -1,6 +1,6 @@
 """``benchmarks/manager_overhead.py``'s eviction-policy comparison: every policy serves the
-same requests side by side, with a second LRU manager as the control; and its handling of
-arguments it cannot use and of Ctrl-C."""
+same requests side by side, with a second LRU manager as the control; which shadow caches
+``adaptive`` is timed with; and its handling of arguments it cannot use and of Ctrl-C."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from benchmarks.manager_overhead import (
     make_prompts,
     run_workload,
 )
+from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.shadow import NATIVE_SHADOWS, PythonShadowSegmentedLRU
 
 # The smallest pool the workload fits in: the live requests beside the one admitted.
 MIN_BLOCKS = (MAX_LIVE + 1) * (PROMPT_LEN + NUM_DECODE_STEPS) // BLOCK_SIZE
@@ -121,6 +123,23 @@ def test_the_fewest_requests_accepted_are_measured(capsys):
     # The one request freed is summarised (with no sample, summarising it raised).
     assert set(report["results"][0]["free"]) == {"mean_us", "p50_us", "p99_us"}
     assert report["hit_tokens_as_expected"]
+
+
+@pytest.mark.parametrize("python_shadows", [False, True])
+def test_the_report_says_which_shadows_adaptive_ran(monkeypatch, capsys, python_shadows):
+    # --python-shadows swaps adaptive's class attributes for the script's process: have
+    # monkeypatch put them back after the test.
+    for name in ("shadow_type", "sampled_hashes"):
+        monkeypatch.setattr(AdaptiveFreeBlockQueue, name, AdaptiveFreeBlockQueue.__dict__[name])
+    argv = ["--requests", str(MAX_LIVE + 1), "--repeats", "1", "--quick", "--policies",
+            "adaptive", "--policy-num-blocks", str(MIN_BLOCKS), "--policy-warmup", "0"]
+    assert manager_overhead.main(argv + ["--python-shadows"] * python_shadows) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = "c" if NATIVE_SHADOWS and not python_shadows else "python"
+    assert report["eviction_policy_workload"]["adaptive_shadows"] == expected
+    assert (AdaptiveFreeBlockQueue.shadow_type is PythonShadowSegmentedLRU) == (
+        expected == "python")
+    assert report["eviction_policies"]["adaptive"]["hit_tokens"] > 0
 
 
 def test_policies_are_read_as_replay_reads_them(monkeypatch):
