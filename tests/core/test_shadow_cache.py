@@ -10,6 +10,7 @@ import shutil
 import sys
 import sysconfig
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 
@@ -140,17 +141,45 @@ def test_unprotected_shadow_puts_what_it_had_seen_after_the_new_hashes(implement
 
 @needs_native
 def test_c_shadow_refuses_keys_that_are_not_bytes_and_keeps_its_state():
+    class Key(bytes):  # its own __hash__ or __eq__ could change the shadow mid-access
+        pass
+
     shadow = NativeShadowSegmentedLRU(4, 0.5)
     shadow.access([b"a"])
     with pytest.raises(TypeError, match="bytes"):
         shadow.access([b"b", "c"])  # the deepest first: "c" is refused before b"b"
-    assert shadow.probation == [b"a"]
+    with pytest.raises(TypeError, match="bytes"):
+        shadow.access([Key(b"d")])
+    assert shadow.probation == [b"a"] and shadow.num_hits == 0
     with pytest.raises(TypeError):
         shadow.access(7)
     with pytest.raises(ValueError):
         NativeShadowSegmentedLRU(4, 1.5)
     with pytest.raises(ValueError):
         NativeShadowSegmentedLRU(4, 0.5, False, -1)
+
+
+@needs_native
+def test_c_shadow_refuses_to_be_changed_from_inside_an_access():
+    """A low-reuse container's __contains__ runs in the middle of an access: a call that
+    changes the shadow from there is refused, and the access itself completes."""
+    shadow = NativeShadowSegmentedLRU(4, 0.0, True)
+    hashes = [b"a", b"b"]
+    refused = []
+
+    class Marks:
+        def __contains__(self, block_hash):
+            for change in (shadow.forget, lambda: shadow.access([b"z"]),
+                           lambda: shadow.__init__(8, 0.5)):
+                with pytest.raises(RuntimeError, match="middle of an access"):
+                    change()
+                refused.append(block_hash)
+            hashes.clear()  # the caller's list: the shadow works on its own copy
+            return True
+
+    assert shadow.access(hashes, Marks()) == 0
+    assert refused == [b"b"] * 3 + [b"a"] * 3
+    assert shadow.low_reuse == [b"b", b"a"] and shadow.capacity == 4
 
 
 @needs_native
@@ -198,5 +227,22 @@ def test_the_c_shadows_are_built_wherever_a_compiler_is():
     compiler = (sysconfig.get_config_var("CC") or "").split()
     if not compiler or shutil.which(compiler[0]) is None:
         pytest.skip("no C compiler here: the Python shadows are the ones expected")
-    assert NATIVE_SHADOWS, ("the C shadows did not build: reinstall with "
-                            "`pip install -e .` and read the compiler's errors")
+    headers = Path(sysconfig.get_path("include"), "Python.h")
+    if not headers.exists():
+        pytest.skip(f"no Python headers ({headers}): the Python shadows are the ones expected")
+    assert NATIVE_SHADOWS, ("the C shadows did not build: reinstall with `pip install -e .` "
+                            "and read the compiler's errors")
+
+
+@needs_native
+def test_the_c_shadows_loaded_are_built_from_the_source_next_to_them():
+    """An editable install compiles the C file once: after an edit, the tests would keep
+    running the old build unless it is rebuilt."""
+    from prefixcache.core.eviction import _shadow_native
+
+    library = Path(_shadow_native.__file__)
+    source = library.parent / "_shadow_native.c"
+    if not source.exists():
+        pytest.skip("installed without its source: nothing to compare the build with")
+    assert library.stat().st_mtime >= source.stat().st_mtime, (
+        f"{library.name} is older than {source.name}: rebuild it with `pip install -e .`")

@@ -5,8 +5,10 @@
  * counts, decision for decision (tests/core/test_shadow_cache.py runs both against one
  * model). It exists for speed: adaptive feeds five shadows on every finished request, and
  * in Python their dictionary operations and the interpreter between them cost more than
- * the rest of the policy. Keys must be bytes (block hashes), which also means the type
- * holds no reference that could lead back to it, so it needs no cycle collection.
+ * the rest of the policy. Keys must be exact bytes (block hashes): hashing and comparing
+ * them runs no Python code, and the type holds no reference that could lead back to it,
+ * so it needs no cycle collection. A call made while another is under way on the same
+ * shadow (from a low-reuse container's __contains__) raises RuntimeError.
  *
  * Layout: every key held (in a segment or the ghost list) has one entry in an array;
  * entries are linked, by index, into one doubly linked list per segment, head = least
@@ -40,6 +42,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t capacity, max_ghost, max_protected;
     char low_reuse_first; /* a char: T_BOOL's size */
+    char busy;            /* inside access: refuse calls that would change the shadow */
     double num_hits;
     Entry *entries;
     Py_ssize_t num_entries_allocated, num_entries_used, free_entry;
@@ -116,10 +119,18 @@ static int
 make_room(Shadow *self)
 {
     if ((size_t)(self->num_keys + 1) * 2 > self->slot_mask + 1) {
+        if (self->slot_mask + 1 > PY_SSIZE_T_MAX / 2 / sizeof(Py_ssize_t)) {
+            PyErr_NoMemory();
+            return -1;
+        }
         if (table_allocate(self, (self->slot_mask + 1) * 2) < 0)
             return -1;
     }
     if (self->free_entry == NONE && self->num_entries_used == self->num_entries_allocated) {
+        if (self->num_entries_allocated > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(Entry)) {
+            PyErr_NoMemory();
+            return -1;
+        }
         Py_ssize_t n = self->num_entries_allocated * 2;
         Entry *entries = PyMem_Realloc(self->entries, n * sizeof(Entry));
         if (entries == NULL) {
@@ -227,6 +238,20 @@ forget_all(Shadow *self)
 
 /* -- the type ------------------------------------------------------------------------- */
 
+static PyObject *
+Shadow_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds))
+{
+    Shadow *self = (Shadow *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    /* tp_alloc zeroes the rest; the lists and free list start empty, and with no arrays
+     * the object refuses use until __init__ succeeds (check_ready). */
+    self->free_entry = NONE;
+    for (int l = 0; l < NUM_LISTS; l++)
+        self->lists[l] = (List){NONE, NONE, 0};
+    return (PyObject *)self;
+}
+
 static int
 Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
 {
@@ -238,6 +263,10 @@ Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "nd|pn", kwlist, &capacity,
                                      &protected_fraction, &low_reuse_first, &ghost_factor))
         return -1;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the shadow is in the middle of an access");
+        return -1;
+    }
     if (ghost_factor < 0) {
         PyErr_SetString(PyExc_ValueError, "ghost_factor must not be negative");
         return -1;
@@ -246,28 +275,35 @@ Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "protected_fraction must be 0 to 1");
         return -1;
     }
-    self->capacity = capacity > 1 ? capacity : 1;
-    if (ghost_factor > PY_SSIZE_T_MAX / 4 / self->capacity) {
+    if (capacity < 1)
+        capacity = 1;
+    if (ghost_factor > PY_SSIZE_T_MAX / 4 / capacity) {
         PyErr_SetString(PyExc_OverflowError, "capacity * ghost_factor is too large");
         return -1;
     }
-    self->max_ghost = ghost_factor * self->capacity;
-    /* As Python's int(protected_fraction * capacity): the same double, truncated. */
-    self->max_protected = (Py_ssize_t)(protected_fraction * (double)self->capacity);
-    self->low_reuse_first = (char)low_reuse_first;
-    self->num_hits = 0.0;
     if (self->entries == NULL) {
-        self->num_entries_allocated = 64;
-        self->entries = PyMem_Malloc(self->num_entries_allocated * sizeof(Entry));
-        if (self->entries == NULL) {
+        Py_ssize_t num_entries = 64;
+        Entry *entries = PyMem_Malloc(num_entries * sizeof(Entry));
+        if (entries == NULL) {
             PyErr_NoMemory();
             return -1;
         }
+        self->slot_mask = 0; /* table_allocate re-places entries in use: none yet */
         self->num_entries_used = 0;
-        if (table_allocate(self, 128) < 0)
+        if (table_allocate(self, 128) < 0) {
+            PyMem_Free(entries);
             return -1;
+        }
+        self->entries = entries;
+        self->num_entries_allocated = num_entries;
     }
     forget_all(self);
+    self->capacity = capacity;
+    self->max_ghost = ghost_factor * capacity;
+    /* As Python's int(protected_fraction * capacity): the same double, truncated. */
+    self->max_protected = (Py_ssize_t)(protected_fraction * (double)capacity);
+    self->low_reuse_first = (char)low_reuse_first;
+    self->num_hits = 0.0;
     return 0;
 }
 
@@ -283,11 +319,16 @@ Shadow_dealloc(Shadow *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* 0 if the shadow may be changed now; else -1 with RuntimeError set. */
 static int
 check_ready(Shadow *self)
 {
-    if (self->entries == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ShadowSegmentedLRU.__init__ was not called");
+    if (self->entries == NULL || self->slots == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ShadowSegmentedLRU.__init__ did not succeed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the shadow is in the middle of an access");
         return -1;
     }
     return 0;
@@ -295,10 +336,11 @@ check_ready(Shadow *self)
 
 PyDoc_STRVAR(access_doc,
 "access(hashes, low_reuse_hashes=()) -> int\n\n"
-"One request's sampled hashes (distinct bytes), prefix first: count the held ones as\n"
-"hits, then make all of them the most recent, the deepest least recent. New hashes in\n"
-"low_reuse_hashes go to the low-reuse segment when this shadow evicts such content\n"
-"first. Returns the number of hits.");
+"One request's sampled hashes (distinct bytes objects), prefix first: count the held\n"
+"ones as hits, then make all of them the most recent, the deepest least recent. New\n"
+"hashes in low_reuse_hashes go to the low-reuse segment when this shadow evicts such\n"
+"content first. Returns the number of hits. After an error (a hash that is not bytes)\n"
+"the shadow is whole but may hold part of the request.");
 
 static PyObject *
 Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
@@ -309,11 +351,12 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (check_ready(self) < 0)
         return NULL;
-    PyObject *sequence = PySequence_Fast(hashes, "hashes must be a sequence of bytes");
+    /* Our own tuple: the caller's list may change while marks' __contains__ runs. */
+    PyObject *sequence = PySequence_Tuple(hashes);
     if (sequence == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
-    PyObject **items = PySequence_Fast_ITEMS(sequence);
+    Py_ssize_t n = PyTuple_GET_SIZE(sequence);
+    PyObject **items = &PyTuple_GET_ITEM(sequence, 0);
     if (!self->low_reuse_first)
         marks = NULL;
     int protecting = self->max_protected > 0;
@@ -329,9 +372,10 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
     }
     Py_ssize_t num_hits = 0;
     int failed = 0;
+    self->busy = 1;
     for (Py_ssize_t k = n - 1; k >= 0; k--) {
         PyObject *key = items[k];
-        if (!PyBytes_Check(key)) {
+        if (!PyBytes_CheckExact(key)) {
             PyErr_Format(PyExc_TypeError, "a shadow's hashes must be bytes, not %.100s",
                          Py_TYPE(key)->tp_name);
             failed = 1;
@@ -370,8 +414,7 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
     for (Py_ssize_t k = 0; k < num_promoted; k++)
         list_append(self, PROBATION, promoted[k]);
     PyMem_Free(promoted);
-    Py_DECREF(sequence);
-    if (num_hits)
+    if (num_hits && !failed)
         self->num_hits += (double)num_hits;
     List *lists = self->lists;
     while (lists[PROTECTED].size > self->max_protected) {
@@ -392,6 +435,8 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
         while (lists[GHOST].size > self->max_ghost)
             delete(self, lists[GHOST].head);
     }
+    self->busy = 0;
+    Py_DECREF(sequence); /* last: it may free keys, and with them run no Python code */
     if (failed)
         return NULL;
     return PyLong_FromSsize_t(num_hits);
@@ -477,7 +522,7 @@ static PyTypeObject ShadowType = {
     .tp_members = Shadow_members,
     .tp_getset = Shadow_getset,
     .tp_init = (initproc)Shadow_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Shadow_new,
 };
 
 /* -- the sample ----------------------------------------------------------------------- */
@@ -487,7 +532,7 @@ PyDoc_STRVAR(sampled_hashes_doc,
 "The hashes (non-empty bytes) whose last byte is below threshold, in order.");
 
 static PyObject *
-sampled_hashes(PyObject *module, PyObject *args)
+sampled_hashes(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *hashes;
     int threshold;

@@ -49,11 +49,11 @@ class PythonShadowSegmentedLRU:
 
     def access(self, hashes: list[BlockHash],
                low_reuse_hashes: Collection[BlockHash] = ()) -> int:
-        """One request's sampled hashes, prefix first: count the held ones as hits, then
-        make all of them the most recent, the deepest least recent (it is evicted first,
-        as in the real queue's release order). New hashes in ``low_reuse_hashes`` go to
-        the low-reuse segment when this shadow evicts such content first. Returns the
-        number of hits."""
+        """One request's sampled hashes (distinct), prefix first: count the held ones as
+        hits, then make all of them the most recent, the deepest least recent (it is
+        evicted first, as in the real queue's release order). New hashes in
+        ``low_reuse_hashes`` go to the low-reuse segment when this shadow evicts such
+        content first. Returns the number of hits."""
         probation, protected, ghost, low_reuse = (self.probation, self.protected,
                                                   self.ghost, self.low_reuse)
         num_hits = 0
