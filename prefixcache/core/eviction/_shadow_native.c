@@ -1,9 +1,8 @@
 /* adaptive's shadow caches in C.
  *
- * ShadowSegmentedLRU here keeps the contract of the Python class of the same name in
- * shadow.py, which is the reference: the same segments in the same orders, the same hit
- * counts, decision for decision (tests/core/test_shadow_cache.py runs both against one
- * model). It exists for speed: adaptive feeds five shadows on every finished request, and
+ * ShadowSegmentedLRU here keeps the contract of PythonShadowSegmentedLRU in shadow.py,
+ * which is the reference: the same segments in the same orders, the same hit counts,
+ * decision for decision (tests/core/test_shadow_cache.py runs both against one model). It exists for speed: adaptive feeds five shadows on every finished request, and
  * in Python their dictionary operations and the interpreter between them cost more than
  * the rest of the policy. Keys must be exact bytes (block hashes): hashing and comparing
  * them runs no Python code, and the type holds no reference that could lead back to it,
@@ -24,8 +23,7 @@
 /* Segments, evicted in this order: low-reuse, probation, protected. Then the ghost list
  * of evicted keys, and PENDING: unlinked, about to rejoin probation. */
 enum { LOW_REUSE = 0, PROBATION = 1, PROTECTED = 2, GHOST = 3, NUM_LISTS = 4, PENDING = 4 };
-#define NONE ((Py_ssize_t)-1)
-#define ERROR ((Py_ssize_t)-2)
+#define NONE ((Py_ssize_t)-1) /* no entry: an empty slot, the end of a list */
 
 typedef struct {
     PyObject *key; /* a bytes object, owned; NULL while the entry is free */
@@ -339,8 +337,9 @@ PyDoc_STRVAR(access_doc,
 "One request's sampled hashes (distinct bytes objects), prefix first: count the held\n"
 "ones as hits, then make all of them the most recent, the deepest least recent. New\n"
 "hashes in low_reuse_hashes go to the low-reuse segment when this shadow evicts such\n"
-"content first. Returns the number of hits. After an error (a hash that is not bytes)\n"
-"the shadow is whole but may hold part of the request.");
+"content first. Returns the number of hits. After an error (a hash that is not exact\n"
+"bytes, or one raised by low_reuse_hashes) the shadow is whole but may hold part of the\n"
+"request, uncounted.");
 
 static PyObject *
 Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
@@ -436,7 +435,7 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
             delete(self, lists[GHOST].head);
     }
     self->busy = 0;
-    Py_DECREF(sequence); /* last: it may free keys, and with them run no Python code */
+    Py_DECREF(sequence); /* once no longer busy: freeing a refused key may run Python */
     if (failed)
         return NULL;
     return PyLong_FromSsize_t(num_hits);
