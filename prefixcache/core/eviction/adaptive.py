@@ -44,13 +44,15 @@ count (noise in the sample must not make it flap). It starts at the first candid
 design's order with empty blocks first.
 
 Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
-released block and, for the sampled hashes (``sample_rate`` of them), a few ordered-dict
-operations per shadow. Memory: the real queue's ghost list (the longest reach times
-``num_blocks`` hashes, each with its eviction count and the signature of its content when
-it was still unproven), two bytes and one slot per block, a few counters per signature,
-plus, per shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks`` hashes
-(entries and ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and at
-least ``num_blocks / 256``). A prefix-cache reset empties the shadows as well as the
+released block and, for the sampled hashes (``sample_rate`` of them), a few table and list
+operations per shadow (the shadows and the sample run in C where the package was built
+with a compiler, in Python otherwise, with the same decisions: ``shadow.py``). Memory: the
+real queue's ghost list (the longest reach times ``num_blocks`` hashes, each with its
+eviction count and the signature of its content when it was still unproven), two bytes
+and one slot per block, a few counters per signature, plus, per shadow, at most
+``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and ghost;
+``sample_rate * num_blocks`` is about ``shadow_entries``, and at least
+``num_blocks / 256``). A prefix-cache reset empties the shadows as well as the
 queue's marks and ghost; the learned scores, the reuse estimate and the choice are kept.
 """
 
