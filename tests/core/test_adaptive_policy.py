@@ -14,7 +14,6 @@ from prefixcache.core.eviction.adaptive import (
 )
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
-    NativeShadowSegmentedLRU,
     PythonShadowSegmentedLRU,
     python_sampled_hashes,
 )
@@ -30,46 +29,6 @@ BLOCK_SIZE = 4
 
 def test_registered():
     assert EVICTION_POLICIES["adaptive"] is AdaptiveFreeBlockQueue
-
-
-#: Both implementations of the shadow (shadow.py): the C one only where it was built.
-SHADOW_TYPES = [pytest.param(PythonShadowSegmentedLRU, id="python"),
-                pytest.param(NativeShadowSegmentedLRU, id="c", marks=pytest.mark.skipif(
-                    not NATIVE_SHADOWS, reason="built without a C compiler"))]
-
-
-@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
-def test_unprotected_shadow_is_lru_over_hashes(shadow_type):
-    shadow = shadow_type(3, 0.0)
-    for block_hash in (b"a", b"b", b"c", b"d"):  # "a" is the oldest: evicted for "d"
-        shadow.access([block_hash])
-    shadow.access([b"a"])
-    assert shadow.num_hits == 0
-    shadow.access([b"c", b"d"])
-    assert shadow.num_hits == 2
-    assert not shadow.protected
-
-
-@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
-def test_protected_shadow_keeps_reused_hashes_through_a_scan(shadow_type):
-    lru, segmented = shadow_type(4, 0.0), shadow_type(4, 0.5)
-    for shadow in (lru, segmented):
-        shadow.access([b"p"])
-        shadow.access([b"p"])  # referenced again: protected in the segmented shadow
-        shadow.access([b"x1", b"x2", b"x3", b"x4"])  # a one-off scan as big as the cache
-        shadow.access([b"p"])
-    assert (lru.num_hits, segmented.num_hits) == (1, 2)
-
-
-@pytest.mark.parametrize("shadow_type", SHADOW_TYPES)
-def test_low_reuse_shadow_evicts_marked_new_hashes_first(shadow_type):
-    plain, low_first = shadow_type(3, 0.0), shadow_type(3, 0.0, True)
-    for shadow in (plain, low_first):
-        shadow.access([b"doc"])
-        shadow.access([b"x1", b"x2", b"x3"], {b"x1", b"x2", b"x3"})  # one-off, low reuse
-        shadow.access([b"doc"])
-    assert (plain.num_hits, low_first.num_hits) == (0, 1)
-    assert not plain.low_reuse  # a shadow without the candidate ignores the marks
 
 
 def make_manager(num_blocks: int) -> KVCacheManager:

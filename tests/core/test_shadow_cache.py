@@ -138,6 +138,39 @@ def test_unprotected_shadow_puts_what_it_had_seen_after_the_new_hashes(implement
     assert not shadow.protected
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unprotected_shadow_is_lru_over_hashes(implementation):
+    shadow = implementation(3, 0.0)
+    for block_hash in (b"a", b"b", b"c", b"d"):  # "a" is the oldest: evicted for "d"
+        shadow.access([block_hash])
+    shadow.access([b"a"])
+    assert shadow.num_hits == 0
+    shadow.access([b"c", b"d"])
+    assert shadow.num_hits == 2
+    assert not shadow.protected
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_protected_shadow_keeps_reused_hashes_through_a_scan(implementation):
+    lru, segmented = implementation(4, 0.0), implementation(4, 0.5)
+    for shadow in (lru, segmented):
+        shadow.access([b"p"])
+        shadow.access([b"p"])  # referenced again: protected in the segmented shadow
+        shadow.access([b"x1", b"x2", b"x3", b"x4"])  # a one-off scan as big as the cache
+        shadow.access([b"p"])
+    assert (lru.num_hits, segmented.num_hits) == (1, 2)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_low_reuse_shadow_evicts_marked_new_hashes_first(implementation):
+    plain, low_first = implementation(3, 0.0), implementation(3, 0.0, True)
+    for shadow in (plain, low_first):
+        shadow.access([b"doc"])
+        shadow.access([b"x1", b"x2", b"x3"], {b"x1", b"x2", b"x3"})  # one-off, low reuse
+        shadow.access([b"doc"])
+    assert (plain.num_hits, low_first.num_hits) == (0, 1)
+    assert not plain.low_reuse  # a shadow without the candidate ignores the marks
+
 
 @needs_native
 def test_c_shadow_refuses_keys_that_are_not_bytes_and_keeps_its_state():

@@ -163,7 +163,7 @@ find(Shadow *self, PyObject *key, Py_hash_t hash, size_t *slot)
     }
 }
 
-static Py_ssize_t
+static void
 insert(Shadow *self, PyObject *key, Py_hash_t hash, size_t slot, int list)
 {
     Py_ssize_t index = self->free_entry;
@@ -178,10 +178,9 @@ insert(Shadow *self, PyObject *key, Py_hash_t hash, size_t slot, int list)
     self->slots[slot] = index;
     self->num_keys++;
     list_append(self, list, index);
-    return index;
 }
 
-/* Drop the key of entry `index` (unlinked from its list first). */
+/* Drop entry `index` (found by the caller): its slot, its place in a list, its key. */
 static void
 delete(Shadow *self, Py_ssize_t index)
 {
@@ -516,7 +515,7 @@ static PyTypeObject ShadowType = {
     .tp_as_sequence = &Shadow_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "ShadowSegmentedLRU(capacity, protected_fraction, low_reuse_first=False, "
-              "ghost_factor=1)\n\nshadow.py's ShadowSegmentedLRU, in C (keys are bytes).",
+              "ghost_factor=1)\n\nshadow.py's PythonShadowSegmentedLRU, in C (keys are exact bytes).",
     .tp_methods = Shadow_methods,
     .tp_members = Shadow_members,
     .tp_getset = Shadow_getset,
