@@ -31,7 +31,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ STDIN_NAME = "<stdin>"
 # context today, yet small enough that one request's lists and block table fit in memory.
 MAX_REQUEST_TOKENS = 1 << 24
 _TOKEN_ID_BOUND = 1 << 63  # token ids are hashed as signed 64-bit integers
+_UINT32_BOUND = 1 << 32
 
 
 def printable_path(path: str | Path) -> str:
@@ -61,7 +63,8 @@ class TraceRequest:
     """One request of a trace.
 
     Exactly one of ``hash_ids`` (Mooncake: ids of 512-token blocks) and ``token_ids``
-    (token-id format) is set. ``timestamp_ms`` is None when the line had no timestamp.
+    (token-id format) is set; a parsed line's ``token_ids`` is an ``array`` of unsigned
+    integers. ``timestamp_ms`` is None when the line had no timestamp.
     """
 
     line_no: int
@@ -69,7 +72,7 @@ class TraceRequest:
     output_length: int
     timestamp_ms: float | None
     hash_ids: tuple[int, ...] | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: Sequence[int] | None = None
 
 
 @dataclass(slots=True)
@@ -141,8 +144,11 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
     _check_num_tokens("prompt_token_ids", len(values))
     output_length = 0 if obj is None else _num_tokens(obj, "output_length", 0)
     timestamp = None if obj is None else _timestamp(obj)
+    # An array holds a token in 4 bytes (8 for ids past 32 bits): a tuple would hold a
+    # pointer and, for most ids, a 28-byte int object.
+    typecode = "I" if max(values) < _UINT32_BOUND else "Q"
     return TraceRequest(line_no, len(values), output_length, timestamp,
-                        token_ids=tuple(values))
+                        token_ids=array(typecode, values))
 
 
 def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:

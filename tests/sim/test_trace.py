@@ -38,7 +38,7 @@ def test_token_id_formats(tmp_path):
         {"prompt_token_ids": [6]},
     ])
     trace = load_trace(path)
-    assert [r.token_ids for r in trace.requests] == [(1, 2, 3), (4, 5), (6,)]
+    assert [list(r.token_ids) for r in trace.requests] == [[1, 2, 3], [4, 5], [6]]
     assert [r.line_no for r in trace.requests] == [1, 3, 4]
     assert [r.input_length for r in trace.requests] == [3, 2, 1]
     assert [r.output_length for r in trace.requests] == [0, 3, 0]
@@ -87,7 +87,7 @@ def test_bad_line_error_names_file_and_line(tmp_path):
 def test_skip_bad_lines_counts_them(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", [[1, 2], "{oops", '{"x": 1}', [4]])
     trace = load_trace(path, skip_bad_lines=True)
-    assert [r.token_ids for r in trace.requests] == [(1, 2), (4,)]
+    assert [list(r.token_ids) for r in trace.requests] == [[1, 2], [4]]
     assert trace.num_bad_lines == 2
     assert trace.first_bad_line.endswith("t.jsonl:2: not valid JSON (Expecting property name "
                                          "enclosed in double quotes at column 2)")
@@ -109,7 +109,7 @@ def test_missing_empty_and_binary_files(tmp_path):
 
 def test_max_requests(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", [[1], [2], [3]])
-    assert [r.token_ids for r in load_trace(path, max_requests=2).requests] == [(1,), (2,)]
+    assert [list(r.token_ids) for r in load_trace(path, max_requests=2).requests] == [[1], [2]]
 
 
 def test_a_line_nested_too_deeply_is_a_bad_line(tmp_path):
@@ -120,14 +120,14 @@ def test_a_line_nested_too_deeply_is_a_bad_line(tmp_path):
     with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: not valid JSON"):
         load_trace(path)
     trace = load_trace(path, skip_bad_lines=True)
-    assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
+    assert [list(r.token_ids) for r in trace.requests] == [[1, 2], [3]]
     assert trace.num_bad_lines == 1
 
 
 def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf[1, 2]\n[3]\n")
-    assert [r.token_ids for r in load_trace(path).requests] == [(1, 2), (3,)]
+    assert [list(r.token_ids) for r in load_trace(path).requests] == [[1, 2], [3]]
 
 
 def test_dash_reads_standard_input_as_utf8(monkeypatch):
@@ -135,7 +135,7 @@ def test_dash_reads_standard_input_as_utf8(monkeypatch):
                              encoding="latin-1")  # the locale's choice must not matter
     monkeypatch.setattr(sys, "stdin", stdin)
     trace = load_trace("-", skip_bad_lines=True)
-    assert [r.token_ids for r in trace.requests] == [(1, 2), (3,)]
+    assert [list(r.token_ids) for r in trace.requests] == [[1, 2], [3]]
     assert trace.path == "<stdin>" and trace.first_bad_line.startswith("<stdin>:2: ")
     assert not stdin.buffer.closed  # sys.stdin is still usable afterwards
 
@@ -150,7 +150,7 @@ def test_a_timestamp_beyond_any_float_is_a_bad_line(tmp_path, line):
                        match=r"t\.jsonl:1: 'timestamp' must be a finite .* 1329 bits"):
         load_trace(path)
     trace = load_trace(path, skip_bad_lines=True)
-    assert [r.token_ids for r in trace.requests] == [(3,)] and trace.num_bad_lines == 1
+    assert [list(r.token_ids) for r in trace.requests] == [[3]] and trace.num_bad_lines == 1
 
 
 def test_a_request_at_the_token_limit_is_accepted():
@@ -166,7 +166,7 @@ def test_a_line_that_is_not_utf8_is_a_bad_line(tmp_path):
     with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: not UTF-8 text"):
         load_trace(path)
     trace = load_trace(path, skip_bad_lines=True)
-    assert [r.token_ids for r in trace.requests] == [(1, 2), (4,)]
+    assert [list(r.token_ids) for r in trace.requests] == [[1, 2], [4]]
     assert trace.num_bad_lines == 1 and "t.jsonl:2: not UTF-8" in trace.first_bad_line
 
 
