@@ -1,19 +1,19 @@
 """prefixcache.sim — trace replay and capacity planning over the real KV cache manager.
 
 ``trace`` reads request traces (Mooncake hash ids or token ids), ``expand`` turns them into
-token ids and block hashes, ``prepared`` hashes a trace once for many replays, ``replay``
-drives :class:`~prefixcache.core.KVCacheManager` (sequential or timeline), ``belady`` is
-the offline-optimal free queue, ``dead_content`` the offline diagnostics that know only
-which content is never used again, ``sweep`` builds hit-rate-vs-capacity curves, ``reuse``
-measures how predictable a trace's reuse is (what bounds every online policy), ``report``
-prints and plots the curves. The ``prefixcache replay`` command over them lives in
-``prefixcache.entrypoints.replay_cmd``. Depends on ``prefixcache.core`` only (plus tqdm
-and matplotlib, imported where used).
+token ids and block hashes, ``prepared`` hashes a trace once for many replays (each
+distinct hash stored once), ``replay`` drives :class:`~prefixcache.core.KVCacheManager`
+(sequential or timeline), ``belady`` is the offline-optimal free queue, ``dead_content``
+the offline diagnostics that know only which content is never used again, ``sweep`` builds
+hit-rate-vs-capacity curves, ``reuse`` measures how predictable a trace's reuse is (what
+bounds every online policy), ``report`` prints and plots the curves. The ``prefixcache
+replay`` command over them lives in ``prefixcache.entrypoints.replay_cmd``. Depends on
+``prefixcache.core`` only (plus tqdm and matplotlib, imported where used).
 """
 
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
 from prefixcache.sim.expand import TraceExpander
-from prefixcache.sim.prepared import PreparedTrace, prepare_trace
+from prefixcache.sim.prepared import BlockHashChains, PreparedTrace, prepare_trace
 from prefixcache.sim.replay import ReplayConfig, ReplayResult, policy_names, replay
 from prefixcache.sim.reuse import ReuseHazard, reuse_hazard
 from prefixcache.sim.sweep import SweepResult, infinite_cache_hit_rate, sweep
@@ -21,6 +21,7 @@ from prefixcache.sim.trace import Trace, TraceFormatError, TraceRequest, load_tr
 
 __all__ = [
     "BeladyFreeBlockQueue",
+    "BlockHashChains",
     "FutureUses",
     "PreparedTrace",
     "ReplayConfig",

@@ -38,7 +38,9 @@ tests and reported by every sweep.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
+from collections.abc import Iterable, Sequence
 
 from prefixcache.core import BlockHash, KVCacheBlock
 from prefixcache.core.block_pool import BlockHashToBlockMap
@@ -52,54 +54,79 @@ class FutureUses:
     """For each hash, the admission indices of its useful accesses and of the requests that
     recompute it (module docstring), and its chain depth.
 
-    ``hash_sequences[k]`` is the chain of the ``k``-th admitted request and
-    ``max_hit_blocks[k]`` how many of its blocks a lookup may hit.
+    ``hash_sequences`` yields the chain of each admitted request in admission order (it is
+    read once, so a generator will do) and ``max_hit_blocks[k]`` how many blocks of the
+    ``k``-th a lookup may hit. Memory: a dict entry per distinct hash, and 4 bytes per
+    useful access (the accesses of all hashes in one array, each hash's run sorted).
     """
 
-    __slots__ = ("_hash_to_uses", "_hash_to_recomputes", "_hash_to_depth")
+    __slots__ = ("_slot_of", "_use_starts", "_uses", "_recomputes", "_depths")
 
-    def __init__(self, hash_sequences: list[list[BlockHash]], max_hit_blocks: list[int]) -> None:
-        hash_to_uses: dict[BlockHash, list[int]] = {}
-        hash_to_recomputes: dict[BlockHash, list[int]] = {}
-        hash_to_depth: dict[BlockHash, int] = {}
+    def __init__(self, hash_sequences: Iterable[Sequence[BlockHash]],
+                 max_hit_blocks: Iterable[int]) -> None:
+        slot_of: dict[BlockHash, int] = {}
+        depths = array("I")
+        # One entry per useful access: the hash's slot and the admission index.
+        access_slots, access_indices = array("I"), array("I")
+        recomputes: dict[BlockHash, list[int]] = {}
         for index, (hashes, num_hit_able) in enumerate(
                 zip(hash_sequences, max_hit_blocks, strict=True)):
             for depth, block_hash in enumerate(hashes):
-                occurrences = hash_to_uses if depth < num_hit_able else hash_to_recomputes
-                indices = occurrences.get(block_hash)
-                if indices is None:
-                    occurrences[block_hash] = [index]
+                slot = slot_of.get(block_hash)
+                if slot is None:
+                    slot = slot_of[block_hash] = len(depths)
+                    depths.append(depth)
+                if depth < num_hit_able:
+                    access_slots.append(slot)
+                    access_indices.append(index)
                 else:
-                    indices.append(index)
-                if block_hash not in hash_to_depth:
-                    hash_to_depth[block_hash] = depth
-        self._hash_to_uses = hash_to_uses
-        self._hash_to_recomputes = hash_to_recomputes
-        self._hash_to_depth = hash_to_depth
+                    recomputes.setdefault(block_hash, []).append(index)
+        # Group the accesses by slot (a counting sort: stable, so each run stays sorted).
+        use_starts = array("Q", bytes(8 * (len(depths) + 1)))
+        for slot in access_slots:
+            use_starts[slot + 1] += 1
+        for slot in range(len(depths)):
+            use_starts[slot + 1] += use_starts[slot]
+        uses = array("I", bytes(4 * len(access_slots)))
+        next_free = use_starts[:-1]
+        for slot, index in zip(access_slots, access_indices, strict=True):
+            position = next_free[slot]
+            uses[position] = index
+            next_free[slot] = position + 1
+        self._slot_of = slot_of
+        self._use_starts = use_starts
+        self._uses = uses
+        self._recomputes = recomputes
+        self._depths = depths
 
     def next_use(self, block_hash: BlockHash, now: int) -> int:
         """The first useful access of ``block_hash`` after admission ``now``, or NEVER."""
-        return _first_after(self._hash_to_uses.get(block_hash), now)
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
+            return NEVER
+        uses, end = self._uses, self._use_starts[slot + 1]
+        k = bisect_right(uses, now, self._use_starts[slot], end)
+        return uses[k] if k < end else NEVER
 
     def next_recompute(self, block_hash: BlockHash, now: int) -> int:
         """The first admission after ``now`` that recomputes ``block_hash``, or NEVER."""
-        return _first_after(self._hash_to_recomputes.get(block_hash), now)
+        indices = self._recomputes.get(block_hash)
+        if indices is None:
+            return NEVER
+        k = bisect_right(indices, now)
+        return indices[k] if k < len(indices) else NEVER
 
     def num_uses_until(self, block_hash: BlockHash, now: int) -> int:
         """How many useful accesses of ``block_hash`` admissions 0 .. ``now`` made."""
-        uses = self._hash_to_uses.get(block_hash)
-        return 0 if uses is None else bisect_right(uses, now)
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
+            return 0
+        start = self._use_starts[slot]
+        return bisect_right(self._uses, now, start, self._use_starts[slot + 1]) - start
 
     def depth(self, block_hash: BlockHash) -> int:
-        return self._hash_to_depth.get(block_hash, 0)
-
-
-def _first_after(indices: list[int] | None, now: int) -> int:
-    """The first of the sorted ``indices`` greater than ``now``, or NEVER."""
-    if indices is None:
-        return NEVER
-    k = bisect_right(indices, now)
-    return indices[k] if k < len(indices) else NEVER
+        slot = self._slot_of.get(block_hash)
+        return 0 if slot is None else self._depths[slot]
 
 
 class BeladyFreeBlockQueue(ScoredFreeBlockQueue):

@@ -100,19 +100,36 @@ class TraceExpander:
         """Chained hashes of the request's ``input_length // block_size`` full blocks."""
         if request.token_ids is not None:
             return self.block_hasher.hash_blocks(None, request.token_ids)
+        runs, num_full_blocks = self.block_hash_runs(request)
+        hashes = [block_hash for run in runs for block_hash in run]
+        del hashes[num_full_blocks:]  # the trailing trace block may be partial
+        return hashes
+
+    def block_hash_runs(self, request: TraceRequest) -> tuple[list[list[BlockHash]], int]:
+        """A Mooncake request's chain as runs, one per hash id it reaches, and its number of
+        full blocks: the chain is the runs' concatenation cut to that length.
+
+        A run is the memoised list of its hash id's sub-block hashes after its parent, the
+        same object for every request with the same prefix up to it: equal objects mean
+        equal hashes, and distinct ones distinct hashes (short of a hash collision).
+        Raises ValueError for a token-id request, or one this block size cannot split.
+        """
+        if request.hash_ids is None:
+            raise ValueError("only a Mooncake request has hash-id runs")
         self.check_supports(request)
         num_full_blocks = request.input_length // self.block_size
-        hashes: list[BlockHash] = []
+        runs: list[list[BlockHash]] = []
         memo = self._parent_and_id_to_hashes
         parent = None
+        num_hashes = 0
         for hash_id in request.hash_ids:
-            if len(hashes) >= num_full_blocks:
+            if num_hashes >= num_full_blocks:
                 break
             run = memo.get((parent, hash_id))
             if run is None:
                 run = self.block_hasher.hash_blocks(parent, self.token_block(hash_id))
                 memo[(parent, hash_id)] = run
-            hashes.extend(run)
+            runs.append(run)
+            num_hashes += len(run)
             parent = run[-1]
-        del hashes[num_full_blocks:]  # the trailing trace block may be partial
-        return hashes
+        return runs, num_full_blocks

@@ -198,8 +198,9 @@ class _Replay:
         if build is None:
             return None
         prepared = self.prepared
-        future = FutureUses([prepared.block_hashes[i] for i in self.admissible],
-                            [prepared.max_hit_blocks[i] for i in self.admissible])
+        chains, max_hit_blocks = prepared.block_hashes, prepared.max_hit_blocks
+        future = FutureUses((chains[i] for i in self.admissible),
+                            (max_hit_blocks[i] for i in self.admissible))
         return lambda blocks, cached: build(blocks, future, cached)
 
     def _usage(self) -> float:

@@ -33,7 +33,7 @@ _ORDER_TOLERANCE = 1e-12
 
 def working_set_blocks(prepared: PreparedTrace) -> int:
     """The trace's distinct full blocks (by hash)."""
-    return len({block_hash for hashes in prepared.block_hashes for block_hash in hashes})
+    return prepared.block_hashes.num_distinct
 
 
 def capacities_from_spec(spec: Sequence[int | float], working_set: int) -> list[int]:
@@ -47,19 +47,21 @@ def infinite_cache_hit_tokens(prepared: PreparedTrace,
                               order: Sequence[int] | None = None) -> int:
     """Tokens hit when nothing is ever evicted, over the whole trace with requests in
     ``order`` (indices; default file order — the timeline mode's is ``arrival_order``)."""
-    seen: set = set()
+    chains = prepared.block_hashes
+    seen = bytearray(chains.num_slots)  # by slot: some earlier request computed it
     block_size = prepared.block_size
     num_hit_tokens = 0
-    all_hashes, all_max_hit_blocks = prepared.block_hashes, prepared.max_hit_blocks
-    for index in range(len(all_hashes)) if order is None else order:
-        hashes = all_hashes[index]
-        limit = min(all_max_hit_blocks[index], len(hashes))
+    all_max_hit_blocks = prepared.max_hit_blocks
+    for index in range(len(chains)) if order is None else order:
+        slots = chains.slots(index)
+        limit = min(all_max_hit_blocks[index], len(slots))
         k = 0
         # Chains are prefix-closed: a hash seen before implies its whole prefix was seen.
-        while k < limit and hashes[k] in seen:
+        while k < limit and seen[slots[k]]:
             k += 1
         num_hit_tokens += k * block_size
-        seen.update(hashes)
+        for slot in slots[k:]:
+            seen[slot] = 1
     return num_hit_tokens
 
 
