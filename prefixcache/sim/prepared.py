@@ -116,20 +116,20 @@ class BlockHashChains(Sequence):
         return self._distinct[slot]
 
     def slots(self, index: int) -> array:
-        """Request ``index``'s chain as slots (a new array)."""
+        """Request ``index``'s chain as slots (a new array); indexed like a list."""
+        if not isinstance(index, int):
+            raise TypeError("chains are indexed by request index only")
         ends = self._ends
+        if index < 0:
+            index += len(ends)
+        if not 0 <= index < len(ends):
+            raise IndexError("request index out of range")
         return self._slots[ends[index - 1] if index else 0:ends[index]]
 
     def __len__(self) -> int:
         return len(self._ends)
 
     def __getitem__(self, index: int) -> list[BlockHash]:
-        if not isinstance(index, int):
-            raise TypeError("chains are indexed by request index only")
-        if index < 0:
-            index += len(self._ends)
-        if not 0 <= index < len(self._ends):
-            raise IndexError("request index out of range")
         return list(map(self._distinct.__getitem__, self.slots(index)))
 
     def __iter__(self) -> Iterator[list[BlockHash]]:

@@ -81,10 +81,12 @@ def test_chains_index_like_a_list_and_refuse_appends_once_frozen():
     chains.append([])
     chains.append([b"a", b"c"])
     assert chains[-1] == [b"a", b"c"] and chains[1] == [] and len(chains) == 3
-    assert list(chains.slots(2)) == [0, 2]
+    assert list(chains.slots(2)) == list(chains.slots(-1)) == [0, 2]
     for bad in (3, -4):
         with pytest.raises(IndexError):
             chains[bad]
+        with pytest.raises(IndexError):
+            chains.slots(bad)
     with pytest.raises(TypeError):
         chains[0:2]
     chains.freeze()
