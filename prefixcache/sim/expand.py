@@ -110,8 +110,9 @@ class TraceExpander:
         full blocks: the chain is the runs' concatenation cut to that length.
 
         A run is the memoised list of its hash id's sub-block hashes after its parent, the
-        same object for every request with the same prefix up to it: equal objects mean
-        equal hashes, and distinct ones distinct hashes (short of a hash collision).
+        same object for every request with the same prefix up to it. (Runs of different
+        ids after the same parent may still begin with equal hashes: at block sizes of 1
+        or 2, two ids' pseudo-random blocks can start with the same tokens.)
         Raises ValueError for a token-id request, or one this block size cannot split.
         """
         if request.hash_ids is None:

@@ -5,9 +5,9 @@ part of expanding a request, so :class:`PreparedTrace` does it once per block si
 each replay only builds token lists and :class:`~prefixcache.core.Request` objects.
 
 The hashes are kept in :class:`BlockHashChains`: each distinct hash once, and each
-request's chain as 4-byte indices into them. A trace's requests mostly repeat content
-(that is what a prefix cache is for), and a chain of block size 16 names 32 blocks per
-512 tokens, so storing chains as lists of hash objects would cost several times more.
+request's chain as 4-byte indices into them, where a list would take 8 bytes a block (a
+chain of block size 16 names 32 blocks per 512 tokens) and, for a token-id trace, a new
+hash object for every block of every request.
 """
 
 from __future__ import annotations
@@ -28,83 +28,80 @@ class BlockHashChains(Sequence):
     """The block-hash chains of a trace's requests, each distinct hash stored once.
 
     ``chains[i]`` is request ``i``'s chain, a new list of hashes; ``slots(i)`` is the same
-    chain as *slots*, indices (``0 .. num_slots - 1``) of the stored hashes
-    (``hash_at(slot)``): equal slots mean equal hashes, and distinct slots distinct ones.
-    A chain added as runs stores each new run whole, so some slots may hold a hash that no
-    chain reaches (a run's tail past a request's last full block): ``num_distinct``, the
-    hashes chains reference, can be below ``num_slots``. Append-only, until :meth:`freeze`.
+    chain as *slots*, indices (``0 .. num_distinct - 1``, in order of first appearance) of
+    the stored hashes (``hash_at(slot)``): equal slots mean equal hashes, and equal hashes
+    equal slots, however the chains were added. Append-only, until :meth:`freeze`.
     """
 
-    __slots__ = ("_distinct", "_slot_of", "_run_starts", "_num_referenced", "_slots", "_ends")
+    __slots__ = ("_distinct", "_slot_of", "_run_slots", "_slots", "_ends")
 
     def __init__(self) -> None:
         self._distinct: list[BlockHash] = []
         self._slot_of: dict[BlockHash, int] | None = {}
-        # id(run) -> [run, its first slot, how many of its hashes chains reference].
-        self._run_starts: dict[int, list] = {}
-        self._num_referenced = 0
+        # id(run) -> (the run, kept so its id stays its own; the slots of its hashes
+        # that some chain has reached so far).
+        self._run_slots: dict[int, tuple[list[BlockHash], array]] = {}
         self._slots = array("I")
         self._ends = array("Q")
 
-    def append(self, chain: Sequence[BlockHash]) -> None:
-        """Add the next request's chain. Raises ValueError past MAX_DISTINCT_BLOCKS."""
+    def _start_chain(self, num_new_at_most: int) -> dict[BlockHash, int]:
+        """The hash -> slot index, after checking that appending is allowed and that
+        ``num_new_at_most`` more hashes stay within MAX_DISTINCT_BLOCKS."""
         slot_of = self._slot_of
         if slot_of is None:
             raise RuntimeError("chains are frozen: append before freeze()")
+        if len(self._distinct) + num_new_at_most > MAX_DISTINCT_BLOCKS:
+            raise ValueError(f"a trace may hold at most {MAX_DISTINCT_BLOCKS:,} distinct blocks")
+        return slot_of
+
+    def append(self, chain: Sequence[BlockHash]) -> None:
+        """Add the next request's chain. Raises ValueError past MAX_DISTINCT_BLOCKS."""
+        slot_of = self._start_chain(len(chain))
         distinct, slots = self._distinct, self._slots
         for block_hash in chain:
             slot = slot_of.get(block_hash)
             if slot is None:
-                slot = len(distinct)
-                if slot >= MAX_DISTINCT_BLOCKS:
-                    raise ValueError(f"a trace may hold at most {MAX_DISTINCT_BLOCKS:,} "
-                                     "distinct blocks")
-                slot_of[block_hash] = slot
+                slot = slot_of[block_hash] = len(distinct)
                 distinct.append(block_hash)
-                self._num_referenced += 1
             slots.append(slot)
         self._ends.append(len(slots))
 
     def append_runs(self, runs: Sequence[list[BlockHash]], length: int) -> None:
         """Add the next request's chain given as runs (see
         :meth:`~prefixcache.sim.expand.TraceExpander.block_hash_runs`): the runs'
-        concatenation cut to ``length``. A run object seen before reuses its slots; a new
-        one gets new slots, without looking its hashes up, so every run must hold hashes
-        that no other run and no :meth:`append`-ed chain holds."""
-        if self._slot_of is None:
-            raise RuntimeError("chains are frozen: append before freeze()")
-        run_starts, distinct, slots = self._run_starts, self._distinct, self._slots
-        end = len(slots) + length
+        concatenation cut to ``length``, the same as ``append`` of that chain. A run
+        object seen before reuses the slots found for it, so each hash of a run is looked
+        up once, not once per request reaching it."""
+        slot_of = self._start_chain(length)
+        run_slots, distinct, slots = self._run_slots, self._distinct, self._slots
+        remaining = length
         for run in runs:
-            entry = run_starts.get(id(run))
+            if remaining <= 0:
+                break
+            entry = run_slots.get(id(run))
             if entry is None:
-                if len(distinct) + len(run) > MAX_DISTINCT_BLOCKS:
-                    raise ValueError(f"a trace may hold at most {MAX_DISTINCT_BLOCKS:,} "
-                                     "distinct blocks")
-                # The entry keeps the run alive, so its id() stays its own.
-                entry = run_starts[id(run)] = [run, len(distinct), 0]
-                distinct.extend(run)
-            start, num_used = entry[1], min(len(run), end - len(slots))
-            if num_used > entry[2]:  # a run's slots are referenced from its start on
-                self._num_referenced += num_used - entry[2]
-                entry[2] = num_used
-            slots.extend(range(start, start + num_used))
+                entry = run_slots[id(run)] = (run, array("I"))
+            found = entry[1]
+            num_used = min(len(run), remaining)
+            for block_hash in run[len(found):num_used]:
+                slot = slot_of.get(block_hash)
+                if slot is None:
+                    slot = slot_of[block_hash] = len(distinct)
+                    distinct.append(block_hash)
+                found.append(slot)
+            slots.extend(found if num_used == len(found) else found[:num_used])
+            remaining -= num_used
         self._ends.append(len(slots))
 
     def freeze(self) -> None:
-        """Drop the index used to deduplicate while appending (most of the memory that
-        appending needs beyond the chains themselves); no appends after this."""
+        """Drop the indexes used while appending (most of the memory that appending
+        needs beyond the chains themselves); no appends after this."""
         self._slot_of = None
-        self._run_starts = {}
+        self._run_slots = {}
 
     @property
     def num_distinct(self) -> int:
         """How many distinct hashes the chains hold: the trace's working set in blocks."""
-        return self._num_referenced
-
-    @property
-    def num_slots(self) -> int:
-        """One more than the highest slot (slots of a run's unreferenced tail included)."""
         return len(self._distinct)
 
     @property
@@ -179,7 +176,7 @@ def prepare_trace(trace: Trace, expander: TraceExpander,
         expander.check_supports(requests[0])
     block_hashes = BlockHashChains()
     max_hit_blocks, blocks_needed = array("q"), array("q")
-    # Runs skip looking up each hash, but cannot see a token-id request's hashes.
+    # Runs look each hash up once; only a Mooncake request has them.
     by_runs = all(request.hash_ids is not None for request in requests)
     for done, request in enumerate(requests, start=1):
         if by_runs:
@@ -187,8 +184,9 @@ def prepare_trace(trace: Trace, expander: TraceExpander,
         else:
             block_hashes.append(expander.block_hashes(request))
         max_hit_blocks.append((request.input_length - 1) // block_size)
-        num_slots = request.input_length + (request.output_length if reserve_decode_slots else 0)
-        blocks_needed.append(cdiv(num_slots, block_size))
+        num_kv_tokens = (request.input_length
+                         + (request.output_length if reserve_decode_slots else 0))
+        blocks_needed.append(cdiv(num_kv_tokens, block_size))
         if progress is not None and done % 256 == 0:
             progress(256)
     if progress is not None and len(requests) % 256:

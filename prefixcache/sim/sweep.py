@@ -48,7 +48,7 @@ def infinite_cache_hit_tokens(prepared: PreparedTrace,
     """Tokens hit when nothing is ever evicted, over the whole trace with requests in
     ``order`` (indices; default file order — the timeline mode's is ``arrival_order``)."""
     chains = prepared.block_hashes
-    seen = bytearray(chains.num_slots)  # by slot: some earlier request computed it
+    seen = bytearray(chains.num_distinct)  # by slot: some earlier request computed it
     block_size = prepared.block_size
     num_hit_tokens = 0
     all_max_hit_blocks = prepared.max_hit_blocks

@@ -36,7 +36,7 @@ def token_id_trace(seed: int, num_requests: int = 40) -> Trace:
 TRACES = [("mooncake", random_mooncake_trace), ("token ids", token_id_trace)]
 
 
-@pytest.mark.parametrize("block_size", [512, 64, 16, 4])  # each divides Mooncake's 512
+@pytest.mark.parametrize("block_size", [512, 64, 16, 4, 2, 1])  # each divides 512
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("kind, make_trace", TRACES)
 def test_chains_are_the_expanders_hashes_each_stored_once(kind, make_trace, seed, block_size):
@@ -52,27 +52,42 @@ def test_chains_are_the_expanders_hashes_each_stored_once(kind, make_trace, seed
     assert chains.num_references == sum(map(len, expected))
     # One object per distinct hash: the memory a chain costs is its 4-byte slots.
     assert len({id(block_hash) for chain in chains for block_hash in chain}) == len(distinct)
-    slot_to_hash = {}
+    first_seen: dict = {}  # hash -> the slot it must have: slots count first appearances
     for index, chain in enumerate(expected):
         slots = chains.slots(index)
         assert slots.itemsize == 4 and [chains.hash_at(s) for s in slots] == chain
-        for slot, block_hash in zip(slots, chain, strict=True):
-            assert slot_to_hash.setdefault(slot, block_hash) == block_hash
-    assert len(set(slot_to_hash.values())) == len(slot_to_hash)  # distinct slots, hashes
-    assert chains.num_slots >= chains.num_distinct
+        assert list(slots) == [first_seen.setdefault(h, len(first_seen)) for h in chain]
 
 
-def test_runs_and_single_hashes_give_the_same_chains():
+def test_runs_and_single_hashes_give_the_same_slots():
     trace = random_mooncake_trace(3, num_requests=80)
     expander = TraceExpander(16)
-    by_runs, by_hash = BlockHashChains(), BlockHashChains()
+    by_runs, by_hash, mixed = BlockHashChains(), BlockHashChains(), BlockHashChains()
     for request in trace.requests:
-        by_runs.append_runs(*expander.block_hash_runs(request))
+        runs = expander.block_hash_runs(request)
+        by_runs.append_runs(*runs)
         by_hash.append(expander.block_hashes(request))
-    assert list(by_runs) == list(by_hash)
-    assert by_runs.num_distinct == by_hash.num_distinct == by_hash.num_slots
-    # Runs store their unreached tails too (requests ending inside a trace block).
-    assert by_runs.num_slots > by_runs.num_distinct
+        if request.line_no % 2:
+            mixed.append_runs(*runs)
+        else:
+            mixed.append(expander.block_hashes(request))
+    slots = [list(by_hash.slots(i)) for i in range(len(by_hash))]
+    assert [list(by_runs.slots(i)) for i in range(len(by_runs))] == slots
+    assert [list(mixed.slots(i)) for i in range(len(mixed))] == slots
+    assert by_runs.num_distinct == by_hash.num_distinct == mixed.num_distinct
+
+
+def test_runs_of_different_ids_that_begin_alike_share_their_first_slots():
+    # At block size 2 these two ids' pseudo-random blocks start with the same 2 tokens.
+    first, second = 79901, 93484
+    expander = TraceExpander(2)
+    assert expander.token_block(first)[:2] == expander.token_block(second)[:2]
+    assert expander.token_block(first)[2:4] != expander.token_block(second)[2:4]
+    trace = Trace("t", [TraceRequest(1, 512, 0, 0.0, hash_ids=(first,)),
+                        TraceRequest(2, 512, 0, 1.0, hash_ids=(second,))])
+    prepared = prepare_trace(trace, expander)
+    assert working_set_blocks(prepared) == 2 * 256 - 1
+    assert infinite_cache_hit_tokens(prepared) == 2  # the second request hits block 0
 
 
 def test_chains_index_like_a_list_and_refuse_appends_once_frozen():
@@ -95,6 +110,7 @@ def test_chains_index_like_a_list_and_refuse_appends_once_frozen():
         chains.append([b"d"])
     with pytest.raises(RuntimeError, match="frozen"):
         chains.append_runs([[b"d"]], 1)
+    assert chains.num_distinct == 3 and chains.num_references == 4
 
 
 def test_only_a_mooncake_request_has_runs():
