@@ -2,8 +2,8 @@
 
 A sweep holds, for its whole run, the parsed trace and every request's block hashes, and
 while Belady's optimum is replayed, each hash's future uses. For each trace and block
-size, two child processes build the same data and report their peak resident memory above
-what the imports alone take:
+size, two child processes build the same data and report their peak resident memory from
+the end of their imports (Linux resets the peak then), above what the imports left in use:
 
 - ``prefixcache``: ``load_trace``, ``prepare_trace`` and ``FutureUses`` as a sweep uses
   them (token ids in arrays, chains as 4-byte slots into each distinct hash stored once,
@@ -11,8 +11,9 @@ what the imports alone take:
 - ``plain`` (the comparison point): token ids as tuples, each request's hashes as a list,
   and each hash's future uses as a list in a dict — the same expander, so the same hashes.
 
-Each child also checks that its data give the same answers as the other's (working set,
-and the future uses of a sample of hashes) by printing them into the JSON.
+Each child also reports answers its data give (the working set, and the future uses of a
+sample of hashes); ``same_answers`` says whether the two agree, and the script exits 1 if
+they do not anywhere.
 
     python benchmarks/replay_memory.py [--requests N] [--skip-token-ids]
 """
@@ -39,8 +40,32 @@ SHARED_TRACE = (Path(__file__).resolve().parents[1] / "data" / "traces" / "moonc
 SAMPLE_EVERY = 13  # a block of every so many-th request is checked in both layouts
 
 
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> float:
+    """Forget the peak so far (Linux: the imports' transients), and return the memory in
+    use now: the base the measured peaks are taken above."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")  # resets VmHWM, the peak resident set size
+    except OSError:
+        pass
+    now = _status_mib("VmRSS")
+    return _peak_mib() if now is None else now
+
+
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    peak = _status_mib("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
 
 
 class _PlainFuture:
@@ -76,7 +101,7 @@ def _plain_trace(path: Path) -> Trace:
 
 def child(layout: str, path: Path, block_size: int) -> dict:
     """Build one layout's data for ``path`` and report its memory (run in a child)."""
-    base = _peak_mib()
+    base = _reset_peak()
     started = time.perf_counter()
     expander = TraceExpander(block_size)
     if layout == "prefixcache":
