@@ -224,7 +224,7 @@ class ManagerMachine(RuleBasedStateMachine):
         elif isinstance(queue, (ScoredFreeBlockQueue, GroupedScoredFreeBlockQueue)):
             # A heap: only free blocks carry the "in the queue" (odd) version.
             for block in pool.blocks:
-                in_queue = queue._versions.get(block.block_id, 0) % 2 == 1
+                in_queue = queue.version(block.block_id) % 2 == 1
                 assert in_queue == (block.block_id in free_ids)
             if isinstance(queue, GroupedScoredFreeBlockQueue):
                 # Empty blocks (no key) all come before any cached one.

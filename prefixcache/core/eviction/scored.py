@@ -30,29 +30,51 @@ from prefixcache.core.eviction.base import FreeKVCacheBlockQueue
 class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
     """What the key-ordered queues share: per-block versions (odd while queued) for O(1)
     removal, and the contract's methods around the subclass's :meth:`_pop_lowest`.
-    ``prepend_n`` cannot honour "first": it orders by key like ``append_n``."""
+    ``prepend_n`` cannot honour "first": it orders by key like ``append_n``. Block ids
+    are the pool's, from 0 up; versions are kept in a list indexed by them."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._versions: dict[int, int] = {}
+        blocks = list(blocks)
+        self._versions: list[int] = [0] * (max((b.block_id for b in blocks), default=-1) + 1)
         super().__init__(blocks)
 
     def _pop_lowest(self) -> KVCacheBlock:
         """Take the next block to evict (there is one)."""
         raise NotImplementedError
 
+    def version(self, block_id: int) -> int:
+        """Block ``block_id``'s version: odd while it is in the queue."""
+        versions = self._versions
+        return versions[block_id] if block_id < len(versions) else 0
+
     def _enter(self, block: KVCacheBlock) -> int:
         """Count ``block`` in; returns its new (odd) version."""
-        version = self._versions.get(block.block_id, 0) + 1
-        self._versions[block.block_id] = version
-        self.num_free_blocks += 1
-        return version
+        return self._enter_n([block])[0]
+
+    def _enter_n(self, blocks: list[KVCacheBlock]) -> list[int]:
+        """Count ``blocks`` in; returns their new (odd) versions, in order."""
+        versions = self._versions
+        if blocks and max(block.block_id for block in blocks) >= len(versions):
+            versions.extend([0] * (max(block.block_id for block in blocks) + 1
+                                   - len(versions)))
+        entered = []
+        append = entered.append
+        for block in blocks:
+            block_id = block.block_id
+            version = versions[block_id] + 1
+            versions[block_id] = version
+            append(version)
+        self.num_free_blocks += len(blocks)
+        return entered
 
     def _leave_if_current(self, block: KVCacheBlock, version: int) -> bool:
         """If ``version`` is ``block``'s current one, count it out and return True; False
         for a stale entry."""
-        if self._versions.get(block.block_id) != version:
+        versions = self._versions
+        block_id = block.block_id
+        if block_id >= len(versions) or versions[block_id] != version:
             return False
-        self._versions[block.block_id] = version + 1
+        versions[block_id] = version + 1
         self.num_free_blocks -= 1
         return True
 
@@ -66,8 +88,8 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
         return [self._pop_lowest() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
-        version = self._versions.get(block.block_id)
-        if version is None or version % 2 == 0:
+        version = self.version(block.block_id)
+        if version % 2 == 0:
             raise RuntimeError(f"block {block.block_id} is not in the free queue")
         self._leave_if_current(block, version)
 
@@ -122,7 +144,7 @@ class ScoredFreeBlockQueue(VersionedFreeBlockQueue):
 
     def _live_entries(self) -> list[tuple[Any, int, int, KVCacheBlock]]:
         versions = self._versions
-        return [entry for entry in self._heap if versions.get(entry[3].block_id) == entry[2]]
+        return [entry for entry in self._heap if versions[entry[3].block_id] == entry[2]]
 
     # -- the free-queue contract -----------------------------------------------------------
 
@@ -281,7 +303,7 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
     def _current_entries(self, entries) -> list[KVCacheBlock]:
         versions = self._versions
         return [block for block, version in entries
-                if versions.get(block.block_id) == version]
+                if versions[block.block_id] == version]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block in eviction order. O(n + groups log groups); for tests and
