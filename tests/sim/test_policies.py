@@ -14,6 +14,7 @@ from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
 from prefixcache.sim.trace import Trace, TraceRequest
+from tests.sim.reference_belady import PerBlockBeladyQueue
 
 
 def free_ids(mgr):
@@ -231,3 +232,55 @@ def test_learned_reuse_keeps_documents_that_lru_loses_to_one_off_prompts():
     belady = replay(prepared, ReplayConfig(24, "belady"))
     assert lru.num_hit_tokens == 0  # every document is evicted before its second question
     assert belady.hit_rate >= learned.hit_rate > lru.hit_rate + 0.1
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_belady_queue_takes_blocks_in_the_plain_per_block_order(seed):
+    """Blocks handed in in any order (not only a release's, deepest first), some taken
+    back out by hits, against the definition with one heap entry per block."""
+    rng = random.Random(seed)
+    # Chains over 12 hashes; the later chains reuse prefixes of the earlier ones.
+    hashes = [bytes([i]) * 32 for i in range(12)]
+    chains = [hashes[:4], hashes[4:9], hashes[:2] + hashes[9:11], hashes[:4] + [hashes[11]],
+              hashes[4:7]]
+    chains += [rng.choice(chains)[:rng.randint(1, 4)] for _ in range(25)]
+    future = FutureUses(chains, [rng.randint(0, len(chain)) for chain in chains])
+    queues = []
+    for queue_class in (BeladyFreeBlockQueue, PerBlockBeladyQueue):
+        blocks = [KVCacheBlock(i) for i in range(16)]
+        queues.append((queue_class(blocks, future), blocks))
+    outside: list[int] = []  # ids of the blocks out of the queues
+    for now in range(len(chains)):
+        for queue, _ in queues:
+            queue.now = now
+        action = rng.random()
+        if action < 0.45 and len(outside) < 16:
+            count = min(rng.randint(1, 4), queues[0][0].num_free_blocks)
+            taken = [[block.block_id for block in queue.popleft_n(count)]
+                     for queue, _ in queues]
+            assert taken[0] == taken[1]
+            outside += taken[0]
+            # Each taken block gets some hash (or none), the same in both pools.
+            for block_id in taken[0]:
+                content = rng.choice([None, *hashes])
+                for _, blocks in queues:
+                    blocks[block_id].block_hash = content
+        elif action < 0.8 and outside:
+            rng.shuffle(outside)
+            handed = outside[:rng.randint(1, len(outside))]
+            outside = outside[len(handed):]
+            for queue, blocks in queues:
+                queue.append_n([blocks[block_id] for block_id in handed])
+        else:
+            free = [block.block_id for block in queues[1][0].get_all_free_blocks()]
+            if free:
+                block_id = rng.choice(free)
+                for queue, blocks in queues:
+                    queue.remove(blocks[block_id])
+                outside.append(block_id)
+        orders = [[block.block_id for block in queue.get_all_free_blocks()]
+                  for queue, _ in queues]
+        assert sorted(orders[0]) == sorted(orders[1])
+    rest = [[block.block_id for block in queue.popleft_n(queue.num_free_blocks)]
+            for queue, _ in queues]
+    assert rest[0] == rest[1]

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.sim.belady import BeladyFreeBlockQueue
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, num_blocks_to_simulate, policy_names, replay
@@ -21,6 +22,7 @@ from prefixcache.sim.sweep import (
 )
 from prefixcache.sim.trace import Trace, TraceRequest
 from tests.sim.helpers import prepared_prefix, random_mooncake_trace, simple_lru_hit_rate
+from tests.sim.reference_belady import PerBlockBeladyQueue
 
 ONLINE = list(EVICTION_POLICIES)
 # The module, not the function that prefixcache.sim exports under the same name.
@@ -341,3 +343,35 @@ def test_config_validation():
             ReplayConfig(4, timeline=True, decode_tokens_per_s=rate)
     assert ReplayConfig(4, timeline=True, decode_tokens_per_s=0.001).decode_tokens_per_s == 0.001
 
+
+
+def _evictions_under(queue_class, prepared, config, monkeypatch):
+    """The replay's result, and every block id its free queue gave out, in order."""
+    taken: list[int] = []
+
+    class Recording(queue_class):
+        def popleft_n(self, n):
+            blocks = super().popleft_n(n)
+            taken.extend(block.block_id for block in blocks)
+            return blocks
+
+    monkeypatch.setitem(replay_module.OFFLINE_POLICIES, "belady", Recording)
+    return replay(prepared, config), taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode", [{"concurrency": 1}, {"concurrency": 3}, {"timeline": True}])
+def test_belady_takes_blocks_in_the_order_of_one_heap_entry_per_block(seed, mode,
+                                                                      monkeypatch):
+    # Block size 128 splits the trace's 512-token blocks: long runs share a next use.
+    prepared = prepare_trace(random_mooncake_trace(seed, num_requests=120),
+                             TraceExpander(128))
+    smallest = max(prepared.blocks_needed)
+    for num_blocks in (smallest, smallest + 5, 3 * smallest):
+        config = ReplayConfig(num_blocks, "belady", **mode)
+        result, taken = _evictions_under(BeladyFreeBlockQueue, prepared, config, monkeypatch)
+        expected, expected_taken = _evictions_under(PerBlockBeladyQueue, prepared, config,
+                                                    monkeypatch)
+        assert result.num_evictions > 0
+        assert taken == expected_taken
+        assert _figures(result) == _figures(expected)
