@@ -1,0 +1,124 @@
+"""Time of a Belady replay: against LRU's, and against a queue with a heap entry per block.
+
+A sweep replays Belady's optimum at every capacity, so its time is most of a sweep's at
+small block sizes. For each case (a trace, a block size, a capacity) the script prepares
+the trace once, then replays it in turn under
+
+- ``lru``: the online default, the time users compare with;
+- ``belady``: the replayer's queue, which keeps the blocks of a release in runs that
+  share a next use, one heap entry per run;
+- ``belady, per block`` (the comparison point): the plain queue of
+  ``tests/sim/reference_belady.py``, one heap entry per block, the same definition;
+
+``--repeats`` times, and reports each one's least time. It checks that both Belady queues
+give the same hits and evictions (``same_answers``; the script exits 1 if they do not).
+
+Run from the repository root (it reads the per-block queue from tests/):
+
+    python benchmarks/belady_replay_speed.py [--repeats N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this folder is on the path but not the repository, whose tests/ hold
+# the comparison point.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.replay_memory import synth  # noqa: E402
+from prefixcache.arg_types import positive_int  # noqa: E402
+from prefixcache.sim.expand import TraceExpander  # noqa: E402
+from prefixcache.sim.prepared import prepare_trace  # noqa: E402
+from prefixcache.sim.replay import ReplayConfig, replay  # noqa: E402
+from prefixcache.sim.sweep import working_set_blocks  # noqa: E402
+from prefixcache.sim.trace import load_trace  # noqa: E402
+from tests.sim.reference_belady import PerBlockBeladyQueue  # noqa: E402
+
+SHARED_TRACE = (Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake"
+                / "synthetic_trace.jsonl")
+# The module, not the function ``prefixcache.sim`` exports under the same name.
+replay_module = importlib.import_module("prefixcache.sim.replay")
+
+
+def timed(prepared, num_blocks: int, policy: str) -> tuple[float, tuple[int, int]]:
+    """Seconds of one replay, and its (hit tokens, evictions)."""
+    started = time.perf_counter()
+    result = replay(prepared, ReplayConfig(num_blocks, policy))
+    return time.perf_counter() - started, (result.num_hit_tokens, result.num_evictions)
+
+
+def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: int,
+            max_requests: int | None = None) -> dict:
+    """One case: ``capacity`` in blocks, or as a share of the working set (a float)."""
+    trace = load_trace(trace_path, max_requests=max_requests)
+    prepared = prepare_trace(trace, TraceExpander(block_size))
+    working_set = working_set_blocks(prepared)
+    num_blocks = capacity if isinstance(capacity, int) else max(1, round(capacity
+                                                                         * working_set))
+    runs = {"lru": [], "belady": [], "belady, per block": []}
+    answers = {}
+    runs_queue = replay_module.OFFLINE_POLICIES["belady"]
+    try:
+        for _ in range(repeats):
+            for name in runs:
+                replay_module.OFFLINE_POLICIES["belady"] = (
+                    PerBlockBeladyQueue if name == "belady, per block" else runs_queue)
+                seconds, answer = timed(prepared, num_blocks, name.split(",")[0])
+                runs[name].append(seconds)
+                answers[name] = answer
+    finally:
+        replay_module.OFFLINE_POLICIES["belady"] = runs_queue
+    best = {name: min(times) for name, times in runs.items()}
+    return {
+        "trace": trace_path.name,
+        "num_requests": len(prepared.requests),
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "working_set_blocks": working_set,
+        "block_references": prepared.block_hashes.num_references,
+        "seconds": {name: round(value, 2) for name, value in best.items()},
+        "all_seconds": {name: [round(t, 2) for t in times] for name, times in runs.items()},
+        "belady_over_lru": round(best["belady"] / best["lru"], 2),
+        "per_block_over_runs": round(best["belady, per block"] / best["belady"], 2),
+        "lru_hit_tokens": answers["lru"][0],
+        "belady_hit_tokens": answers["belady"][0],
+        "same_answers": answers["belady"] == answers["belady, per block"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=positive_int, default=2,
+                        help="replays of each policy per case, least time kept (default 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the shared trace's first 1,000 requests only")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        if args.quick:
+            cases = [(SHARED_TRACE, 512, 0.1, 1000), (SHARED_TRACE, 16, 0.1, 1000)]
+        else:
+            # The shared trace at the same KV size (2 M tokens) at both block sizes, where
+            # its LRU->Belady gap is widest; a synthetic mixture at 10 % of its working set.
+            cases = [(SHARED_TRACE, 512, 4000, None), (SHARED_TRACE, 16, 128_000, None),
+                     (synth(Path(directory), "mixture", 5000, "mooncake"), 16, 0.1, None)]
+        results = [measure(path, block_size, capacity, args.repeats, max_requests)
+                   for path, block_size, capacity, max_requests in cases]
+    json.dump({
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "repeats": args.repeats,
+        "cases": results,
+    }, sys.stdout, indent=1)
+    print()
+    return 0 if all(case["same_answers"] for case in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
