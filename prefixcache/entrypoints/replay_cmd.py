@@ -46,7 +46,8 @@ is next needed furthest in the future, deepest first on ties).
 Its capacities are block counts or shares of the trace's working set (its distinct full
 blocks): --sweep 2%,5%,10%,20%,35%,50%,75%,100% compares traces of any size. Each online
 policy is also compared with lru: the share of the widest lru->Belady gap it closes
-there, and its least margin over lru anywhere on the sweep.
+there, and its least margin over lru anywhere on the sweep. Its replays are independent:
+--jobs N runs up to N at once, each in a process of its own, with the same figures.
 
 Offline diagnostics (--policy): dead-first evicts first the content that is never looked
 up again, otherwise LRU; dead-once-first only such content used by one request so far,
@@ -160,6 +161,10 @@ def register(subparsers) -> None:
                              "Llama-3-8B in fp16)")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) malformed trace lines instead of failing")
+    parser.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
+                        help="run up to N replays at once, each in its own process "
+                             "(default 1); the figures are the same, each process holds "
+                             "up to a copy of the trace's block hashes")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run, parser=parser)
 
@@ -263,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefixcache.sim.expand import TraceExpander
+    from prefixcache.sim.parallel_replays import ReplayWorkerDied, replay_all
     from prefixcache.sim.prepared import prepare_trace
-    from prefixcache.sim.replay import BELADY, ReplayConfig, replay
+    from prefixcache.sim.replay import BELADY, ReplayConfig
     from prefixcache.sim.report import format_replay, format_sweep, plot_sweep
     from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
     from prefixcache.sim.trace import TraceFormatError, load_trace
@@ -316,23 +322,22 @@ def run(args: argparse.Namespace) -> int:
                 result = sweep(prepared, capacities, policies, with_belady=with_belady,
                                decode_tokens_per_s=args.decode_tokens_per_s,
                                concurrency=args.concurrency, timeline=args.timeline,
-                               progress=bar.update)
+                               progress=bar.update, jobs=args.jobs)
             if report is not None:
                 print(format_sweep(result, args.block_size, args.kv_bytes_per_token),
                       file=report)
             payload = result.to_dict()
         else:
-            results = []
+            configs = [ReplayConfig(args.num_blocks, policy, **common)
+                       for policy in args.policy]
             with tqdm(total=len(args.policy) * num_requests, desc="replaying", unit="req",
                       disable=not show_progress) as bar:
-                for policy in args.policy:
-                    config = ReplayConfig(args.num_blocks, policy, **common)
-                    results.append(replay(prepared, config, bar.update))
+                results = replay_all(prepared, configs, bar.update, args.jobs)
             if report is not None:
                 print("\n\n".join(format_replay(r, args.kv_bytes_per_token)
                                   for r in results), file=report)
             payload = {"runs": [r.to_dict() for r in results]}
-    except ValueError as exc:
+    except (ValueError, ReplayWorkerDied) as exc:
         return _error(str(exc))
 
     payload = {"trace": trace.path, "num_requests": num_requests,

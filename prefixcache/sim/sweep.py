@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.sim.parallel_replays import replay_all
 from prefixcache.sim.prepared import PreparedTrace
-from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, arrival_order, replay
+from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, arrival_order
 
 # Hit rates are compared with this slack: they are ratios of integers computed the same way,
 # so only float rounding can separate equal values.
@@ -158,10 +159,12 @@ class SweepResult:
 def sweep(prepared: PreparedTrace, capacities: Sequence[int], policies: Sequence[str],
           with_belady: bool = True, concurrency: int = 1, timeline: bool = False,
           decode_tokens_per_s: float | None = None,
-          progress: Callable[[int], None] | None = None) -> SweepResult:
-    """Replay ``prepared`` at every capacity under every policy (and Belady's).
+          progress: Callable[[int], None] | None = None, jobs: int = 1) -> SweepResult:
+    """Replay ``prepared`` at every capacity under every policy (and Belady's), in up to
+    ``jobs`` processes (:func:`~prefixcache.sim.parallel_replays.replay_all`: the same
+    figures whatever their number).
 
-    ``progress(n)`` is forwarded to each replay, so a bar over
+    ``progress(n)`` is forwarded to the replays, so a bar over
     ``len(capacities) * (len(policies) + with_belady) * num_requests`` steps fills once.
     """
     policies = [p for p in policies if p != BELADY]
@@ -171,16 +174,17 @@ def sweep(prepared: PreparedTrace, capacities: Sequence[int], policies: Sequence
     for policy in policies:
         result.policy_to_hit_rates[policy] = []
     extra = {} if decode_tokens_per_s is None else {"decode_tokens_per_s": decode_tokens_per_s}
-    for num_blocks in capacities:
-        for policy in [*policies, *([BELADY] if with_belady else [])]:
-            config = ReplayConfig(num_blocks, policy, concurrency=concurrency,
-                                  timeline=timeline, **extra)
-            run = replay(prepared, config, progress)
-            result.runs.append(run)
-            if policy == BELADY:
-                result.belady_hit_rates.append(run.hit_rate)
-            else:
-                result.policy_to_hit_rates[policy].append(run.hit_rate)
+    configs = [ReplayConfig(num_blocks, policy, concurrency=concurrency, timeline=timeline,
+                            **extra)
+               for num_blocks in capacities
+               for policy in [*policies, *([BELADY] if with_belady else [])]]
+    for config, run in zip(configs, replay_all(prepared, configs, progress, jobs),
+                           strict=True):
+        result.runs.append(run)
+        if config.policy == BELADY:
+            result.belady_hit_rates.append(run.hit_rate)
+        else:
+            result.policy_to_hit_rates[config.policy].append(run.hit_rate)
     _check_ordering(result)
     return result
 

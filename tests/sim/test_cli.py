@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import sys
 import threading
 
@@ -15,6 +16,8 @@ import pytest
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.entrypoints import replay_cmd
 from prefixcache.entrypoints.cli import main
+from prefixcache.sim import parallel_replays
+from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.trace import MAX_REQUEST_TOKENS
 from tests.data_paths import MOONCAKE_TRACE_PATH
 from tests.processes import run_with_reader_gone
@@ -126,6 +129,39 @@ def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):
     assert len(payload["runs"]) == 2 * 4
     assert png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not can_fork(), reason="workers are forked (POSIX only)")
+@pytest.mark.parametrize("size", [["--sweep", "300,1000"], ["--num-blocks", "300"]])
+def test_jobs_print_the_same_figures_as_one_process(small_trace, tmp_path, capsys, size):
+    outputs = []
+    for jobs in ("1", "3"):
+        out = tmp_path / f"jobs-{jobs}.json"
+        assert main(["replay", str(small_trace), *size, "--block-size", "256", "--policy",
+                     "lru,2q,belady", "--jobs", jobs, "--json", str(out), "--quiet"]) == 0
+        text = capsys.readouterr().out
+        payload = json.loads(out.read_text())
+        for run in payload["runs"]:
+            for timing in ("replay_seconds", "requests_per_s", "blocks_per_s"):
+                del run[timing]
+        # The single replays' tables print their speed: compare the rest.
+        outputs.append(([line for line in text.splitlines()
+                         if not line.startswith(("replay time", "replay throughput"))],
+                        payload))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(not can_fork(), reason="workers are forked (POSIX only)")
+def test_a_killed_replay_worker_is_a_one_line_error(small_trace, capsys, monkeypatch):
+    def killed(prepared, config, progress=None):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(parallel_replays, "replay", killed)
+    assert main(["replay", str(small_trace), "--sweep", "300,1000", "--block-size", "512",
+                 "--jobs", "2", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        "prefixcache replay: error: a replay's worker process was killed (out of memory? "
+        "with fewer jobs, each has more)\n")
 
 
 def test_sweep_capacities_as_shares_of_the_working_set(small_trace, tmp_path, capsys):
@@ -271,8 +307,8 @@ def test_clear_errors(tmp_path, capsys):
 def test_running_out_of_memory_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
     def replay(*args, **kwargs):
         raise MemoryError
-    # the module, not the function that prefixcache.sim exports under the same name
-    monkeypatch.setattr(sys.modules["prefixcache.sim.replay"], "replay", replay)
+    # Every replay of the command goes through replay_all.
+    monkeypatch.setattr(parallel_replays, "replay", replay)
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
     assert main(["replay", str(path), "--num-blocks", "8", "--quiet"]) == 1
     assert capsys.readouterr().err == ("prefixcache replay: error: out of memory (the inputs "
@@ -312,6 +348,7 @@ def test_closed_or_unreadable_standard_streams_and_files_are_one_line_errors(tmp
      "must be a finite number >= 0.001, got 1e-320"),
     (["--sweep", "8", "--no-belady", "--policy", "belady"], "nothing to replay"),
     (["--sweep", "8", "--plot", "curve.foo"], "cannot draw a plot as 'foo'"),
+    (["--sweep", "8", "--jobs", "0"], "must be >= 1"),
 ])
 def test_usage_errors(tmp_path, capsys, argv, message):
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
@@ -432,14 +469,13 @@ def test_a_reader_that_goes_away_stops_the_command_quietly(small_trace):
 
 def test_json_is_strict_and_not_written_if_a_figure_is_not_finite(tmp_path, capsys,
                                                                   monkeypatch):
-    module = sys.modules["prefixcache.sim.replay"]
-    real_replay = module.replay
+    real_replay = parallel_replays.replay
 
     def replay(*args, **kwargs):
         result = real_replay(*args, **kwargs)
         result.mean_usage = float("nan")
         return result
-    monkeypatch.setattr(module, "replay", replay)
+    monkeypatch.setattr(parallel_replays, "replay", replay)
     path = write_lines(tmp_path / "t.jsonl", [[1, 2]])
     out = tmp_path / "out.json"
     assert main(["replay", str(path), "--num-blocks", "8", "--quiet", "--json", str(out)]) == 1

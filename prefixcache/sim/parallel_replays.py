@@ -1,0 +1,101 @@
+"""Several replays of one prepared trace, in parallel processes.
+
+Replays of one trace at different capacities or under different policies share nothing
+but the prepared trace, which they only read. With ``jobs`` above 1, :func:`replay_all`
+forks that many worker processes, which inherit the prepared trace from the parent
+instead of receiving a copy, and each replays whole configurations. The results are the
+replays' own: a replay is deterministic, so they are the same figures, in the same
+order, as one process gives (only the timings differ).
+
+Memory: a worker shares the parent's pages until it writes to them. Reading a hash
+updates the reference count of its Python object, so over a replay a worker comes to
+hold its own copy of the pages of the hashes it reads: up to about 100 bytes per distinct
+block, on top of what the replay itself holds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from prefixcache.sim.prepared import PreparedTrace
+from prefixcache.sim.replay import BELADY, ReplayConfig, ReplayResult, replay
+
+
+class ReplayWorkerDied(RuntimeError):
+    """A worker process ended without a result: killed from outside, most often by the
+    kernel for want of memory."""
+
+
+# The trace the workers replay: set in the parent for as long as its pool lives, and
+# inherited by the forked workers.
+_shared_trace: PreparedTrace | None = None
+
+
+def can_fork() -> bool:
+    """Whether this platform can start workers that inherit the trace (POSIX ``fork``)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _replay_shared(config: ReplayConfig) -> ReplayResult:
+    return replay(_shared_trace, config)
+
+
+def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
+               progress: Callable[[int], None] | None = None,
+               jobs: int = 1) -> list[ReplayResult]:
+    """The result of each of ``configs`` replayed on ``prepared``, in ``configs``' order,
+    using up to ``jobs`` worker processes (1: this one).
+
+    ``progress(n)`` gets ``len(prepared.requests)`` per replay in all, as :func:`replay`
+    gives it: as requests go in this process, and all at once as a worker finishes a
+    replay. Belady's replays, the longest, are started first. ValueError if ``jobs`` is
+    below 1, or above 1 where workers cannot be forked. An error in a replay is raised
+    here as in this process, once the workers still replaying are stopped;
+    :class:`ReplayWorkerDied` if a worker is killed.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    if jobs == 1 or len(configs) <= 1:
+        return [replay(prepared, config, progress) for config in configs]
+    if not can_fork():
+        raise ValueError("parallel replays need the fork start method, which this "
+                         "platform lacks; use one job")
+    global _shared_trace
+    order = sorted(range(len(configs)), key=lambda i: configs[i].policy != BELADY)
+    results: list[ReplayResult | None] = [None] * len(configs)
+    _shared_trace = prepared
+    pool = ProcessPoolExecutor(min(jobs, len(configs)),
+                               mp_context=multiprocessing.get_context("fork"))
+    all_done = False
+    try:
+        pending = {pool.submit(_replay_shared, configs[i]): i for i in order}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                results[pending.pop(future)] = future.result()  # a replay's error: raised
+                if progress is not None:
+                    progress(len(prepared.requests))
+        all_done = True
+    except BrokenProcessPool as exc:
+        # A worker killed from outside (the kernel's out-of-memory killer, a signal).
+        raise ReplayWorkerDied("a replay's worker process was killed (out of memory? "
+                               "with fewer jobs, each has more)") from exc
+    finally:
+        if not all_done:
+            _kill_workers(pool)  # their results are no longer wanted
+        pool.shutdown(wait=True, cancel_futures=True)
+        _shared_trace = None
+    return results
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop the replays still running, which shutting down alone would wait for."""
+    kill = getattr(pool, "kill_workers", None)  # public from Python 3.14
+    if kill is not None:
+        kill()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
