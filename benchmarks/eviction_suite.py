@@ -164,16 +164,17 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
 
 
 def sweep_adaptive_with(prepared: PreparedTrace, capacities: list[int],
-                        overrides: dict) -> list[float]:
+                        overrides: dict, jobs: int = 1) -> list[float]:
     """``adaptive``'s hit rates over ``capacities`` with its class attributes
-    ``overrides`` set for the replays (and restored after)."""
+    ``overrides`` set for the replays (and restored after; forked workers inherit
+    them)."""
     adaptive_class = EVICTION_POLICIES["adaptive"]
     saved = {name: getattr(adaptive_class, name) for name in overrides}
     for name, value in overrides.items():
         setattr(adaptive_class, name, value)
     try:
-        return sweep(prepared, capacities, ["adaptive"],
-                     with_belady=False).policy_to_hit_rates["adaptive"]
+        return sweep(prepared, capacities, ["adaptive"], with_belady=False,
+                     jobs=jobs).policy_to_hit_rates["adaptive"]
     finally:
         for name, value in saved.items():
             setattr(adaptive_class, name, value)
@@ -185,18 +186,19 @@ def trace_name(path: Path) -> str:
 
 
 def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
-             lofo_variants: list[str], candidates_alone: bool = False) -> dict:
+             lofo_variants: list[str], candidates_alone: bool = False,
+             jobs: int = 1) -> dict:
     prepared = prepare_trace(trace, TraceExpander(512))
     working_set = working_set_blocks(prepared)
     capacities = capacities_from_spec(fractions, working_set)
-    result = sweep(prepared, capacities, policies)
+    result = sweep(prepared, capacities, policies, jobs=jobs)
     variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
     for variant in lofo_variants:
         if variant not in variant_to_rates:
-            variant_to_rates[variant] = sweep_adaptive_with(prepared, capacities,
-                                                            ADAPTIVE_VARIANTS[variant])
+            variant_to_rates[variant] = sweep_adaptive_with(
+                prepared, capacities, ADAPTIVE_VARIANTS[variant], jobs)
     candidate_to_rates = {
-        label: sweep_adaptive_with(prepared, capacities, overrides)
+        label: sweep_adaptive_with(prepared, capacities, overrides, jobs)
         for label, overrides in candidate_alone_overrides().items()
     } if candidates_alone else {}
     rates = result.policy_to_hit_rates
@@ -256,14 +258,15 @@ def random_trace_specs(num_traces: int, families: list[str],
 
 def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
                    tmp: str, fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str], candidates_alone: bool) -> dict:
+                   lofo_variants: list[str], candidates_alone: bool, jobs: int) -> dict:
     """Generate a family's trace (Mooncake format, as ``name`` in ``tmp``) and evaluate
     it."""
     path = Path(tmp) / f"{name}.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests(family, seed, num_requests, **params), handle,
                     "mooncake", seed)
-    result = evaluate(load_trace(path), fractions, policies, lofo_variants, candidates_alone)
+    result = evaluate(load_trace(path), fractions, policies, lofo_variants, candidates_alone,
+                      jobs)
     path.unlink()
     print(f"{name}: done", file=sys.stderr)
     return result
@@ -303,6 +306,9 @@ def run(argv: list[str] | None) -> int:
                              "(default 0)")
     parser.add_argument("--random-families", default=",".join(WORKLOAD_FAMILIES),
                         help="families of the random traces (default: all)")
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
+                        help="replays run at once, each in a process of its own "
+                             "(default 1); the figures are the same")
     parser.add_argument("--candidates-alone", action="store_true",
                         help="also replay each of adaptive's candidate orders followed "
                              "alone, and report the best of them against adaptive")
@@ -364,13 +370,13 @@ def run(argv: list[str] | None) -> int:
         for family in families:
             traces[family] = measure_family(family, family, args.seed, args.num_requests,
                                             {}, tmp, fractions, policies, lofo_variants,
-                                            args.candidates_alone)
+                                            args.candidates_alone, args.jobs)
         for name, family, seed, params in random_trace_specs(
                 args.random_traces, random_families, args.seed):
             traces[name] = {"family": family, "seed": seed, "parameters": params,
                             **measure_family(name, family, seed, args.num_requests, params,
                                              tmp, fractions, policies, lofo_variants,
-                                             args.candidates_alone)}
+                                             args.candidates_alone, args.jobs)}
     if shared is not None:
         name = trace_name(Path(args.trace))
         parts = [(name, shared)] if args.split_trace == 1 else [
@@ -378,7 +384,7 @@ def run(argv: list[str] | None) -> int:
             for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
         for part_name, trace in parts:
             traces[part_name] = evaluate(trace, fractions, policies, lofo_variants,
-                                         args.candidates_alone)
+                                         args.candidates_alone, args.jobs)
             print(f"{part_name}: done", file=sys.stderr)
     output = {
         "date": datetime.date.today().isoformat(),

@@ -13,6 +13,7 @@ import pytest
 from benchmarks import eviction_suite
 from benchmarks.eviction_suite import (
     QUICK_FRACTIONS,
+    REGISTERED,
     best_candidate_figures,
     combine,
     evaluate,
@@ -21,6 +22,7 @@ from benchmarks.eviction_suite import (
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, AdaptiveFreeBlockQueue
 from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import load_trace
@@ -90,6 +92,19 @@ def test_suite_reports_every_candidate_alone_and_the_best(chat_trace):
     assert AdaptiveFreeBlockQueue.candidates == CANDIDATES
     assert "candidates_alone" not in evaluate(chat_trace, QUICK_FRACTIONS,
                                               ["lru", "adaptive"], [])
+
+
+@pytest.mark.skipif(not can_fork(), reason="workers are forked (POSIX only)")
+def test_suite_figures_are_the_same_with_replays_in_workers(chat_trace, chat_figures):
+    # A variant's class overrides reach the workers, which are forked after they are set.
+    in_workers = json.loads(json.dumps(evaluate(
+        chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"], ["ghost-2"], jobs=3)))
+    untimed = [{key: value for key, value in figures.items()
+                if key not in ("replay_seconds", "adaptive_over_lru_replay_time")}
+               for figures in (in_workers, chat_figures)]
+    assert untimed[0] == untimed[1]
+    variants = chat_figures["adaptive_by_variant"]
+    assert variants["ghost-2"]["hit_rates"] != variants[REGISTERED]["hit_rates"]
 
 
 SETTINGS = {"block_size": 512, "mode": "sequential", "capacity_fractions_of_working_set":
