@@ -228,8 +228,8 @@ class BeladyFreeBlockQueue(VersionedFreeBlockQueue):
                 blocks, self._enter_n(blocks), all_parts, strict=True):
             order += 1
             # Within a run keys must rise: same next use, then shallower, then later.
-            if (next_use == run_next_use and expiry == run_expiry
-                    and -depth >= last_negative_depth and run is not None):
+            if (run is not None and next_use == run_next_use and expiry == run_expiry
+                    and -depth >= last_negative_depth):
                 entries.append((block, version, -depth, order))
             else:
                 if run is not None:
