@@ -54,7 +54,8 @@ def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
     replay. Belady's replays, the longest, are started first. ValueError if ``jobs`` is
     below 1, or above 1 where workers cannot be forked. An error in a replay is raised
     here as in this process, once the workers still replaying are stopped;
-    :class:`ReplayWorkerDied` if a worker is killed.
+    :class:`ReplayWorkerDied` if a worker is killed. One call at a time per process:
+    the workers find the trace in a module global.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")

@@ -54,9 +54,9 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
     def _enter_n(self, blocks: list[KVCacheBlock]) -> list[int]:
         """Count ``blocks`` in; returns their new (odd) versions, in order."""
         versions = self._versions
-        if blocks and max(block.block_id for block in blocks) >= len(versions):
-            versions.extend([0] * (max(block.block_id for block in blocks) + 1
-                                   - len(versions)))
+        highest = max((block.block_id for block in blocks), default=-1)
+        if highest >= len(versions):  # a block the queue was not built with
+            versions.extend([0] * (highest + 1 - len(versions)))
         entered = []
         append = entered.append
         for block in blocks:
