@@ -15,7 +15,10 @@ block, on top of what the replay itself holds.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -29,6 +32,8 @@ class ReplayWorkerDied(RuntimeError):
     kernel for want of memory."""
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent ends
+
 # The trace the workers replay: set in the parent for as long as its pool lives, and
 # inherited by the forked workers.
 _shared_trace: PreparedTrace | None = None
@@ -37,6 +42,19 @@ _shared_trace: PreparedTrace | None = None
 def can_fork() -> bool:
     """Whether this platform can start workers that inherit the trace (POSIX ``fork``)."""
     return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a worker, first: be killed when the parent process ends, however it ends, so
+    that no replay outlives the command that wanted it (Linux's parent-death signal;
+    elsewhere a worker whose parent is killed finishes its replay first)."""
+    try:
+        set_parent_death_signal = ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return
+    set_parent_death_signal(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # it ended before the signal was asked for
+        os._exit(1)
 
 
 def _replay_shared(config: ReplayConfig) -> ReplayResult:
@@ -69,7 +87,8 @@ def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
     results: list[ReplayResult | None] = [None] * len(configs)
     _shared_trace = prepared
     pool = ProcessPoolExecutor(min(jobs, len(configs)),
-                               mp_context=multiprocessing.get_context("fork"))
+                               mp_context=multiprocessing.get_context("fork"),
+                               initializer=_die_with_parent, initargs=(os.getpid(),))
     all_done = False
     try:
         pending = {pool.submit(_replay_shared, configs[i]): i for i in order}

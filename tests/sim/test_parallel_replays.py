@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from prefixcache.sim.parallel_replays import ReplayWorkerDied, can_fork, replay_
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig
 from prefixcache.sim.sweep import sweep
+from tests.processes import REPO_ROOT
 from tests.sim.helpers import random_mooncake_trace
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="workers are forked (POSIX only)")
@@ -95,3 +98,51 @@ def test_jobs_below_one_are_refused():
     prepared = prepare_trace(random_mooncake_trace(1), TraceExpander(128))
     with pytest.raises(ValueError, match="at least 1"):
         replay_all(prepared, [ReplayConfig(40, "lru")], jobs=0)
+
+
+# A parent whose workers each write their process id and then replay for ever.
+_PARENT = """
+import os, sys, time
+from prefixcache.sim import parallel_replays
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.replay import ReplayConfig
+from tests.sim.helpers import random_mooncake_trace
+
+def endless(prepared, config, progress=None):
+    with open(os.path.join(sys.argv[1], str(os.getpid())), "w"):
+        pass
+    while True:
+        time.sleep(1)
+
+parallel_replays.replay = endless
+prepared = prepare_trace(random_mooncake_trace(1), TraceExpander(128))
+parallel_replays.replay_all(prepared, [ReplayConfig(40, "lru"), ReplayConfig(80, "lru")],
+                            jobs=2)
+"""
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux only")
+def test_workers_end_with_their_parent_however_it_is_killed(tmp_path, watchdog):
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], cwd=REPO_ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        while len(list(tmp_path.iterdir())) < 2:  # both workers are replaying
+            time.sleep(0.05)
+        workers = [int(path.name) for path in tmp_path.iterdir()]
+        assert all(_is_running(pid) for pid in workers)
+        parent.kill()  # SIGKILL: the parent cannot clean up
+        parent.wait()
+        while any(_is_running(pid) for pid in workers):
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
