@@ -1,5 +1,5 @@
 """Replays in worker processes: the figures of one process, errors raised at once, a
-killed worker an error rather than a hang."""
+killed worker an error rather than a hang, and no worker outliving its parent."""
 
 from __future__ import annotations
 
