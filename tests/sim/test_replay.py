@@ -344,7 +344,6 @@ def test_config_validation():
     assert ReplayConfig(4, timeline=True, decode_tokens_per_s=0.001).decode_tokens_per_s == 0.001
 
 
-
 def _evictions_under(queue_class, prepared, config, monkeypatch):
     """The replay's result, and every block id its free queue gave out, in order."""
     taken: list[int] = []
