@@ -38,7 +38,7 @@ from prefixcache.arg_types import positive_int  # noqa: E402
 from prefixcache.sim.expand import TraceExpander  # noqa: E402
 from prefixcache.sim.prepared import prepare_trace  # noqa: E402
 from prefixcache.sim.replay import ReplayConfig, replay  # noqa: E402
-from prefixcache.sim.sweep import working_set_blocks  # noqa: E402
+from prefixcache.sim.sweep import capacities_from_spec, working_set_blocks  # noqa: E402
 from prefixcache.sim.trace import load_trace  # noqa: E402
 from tests.sim.reference_belady import PerBlockBeladyQueue  # noqa: E402
 
@@ -61,21 +61,20 @@ def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: i
     trace = load_trace(trace_path, max_requests=max_requests)
     prepared = prepare_trace(trace, TraceExpander(block_size))
     working_set = working_set_blocks(prepared)
-    num_blocks = capacity if isinstance(capacity, int) else max(1, round(capacity
-                                                                         * working_set))
+    [num_blocks] = capacities_from_spec([capacity], working_set)
     runs = {"lru": [], "belady": [], "belady, per block": []}
     answers = {}
-    runs_queue = replay_module.OFFLINE_POLICIES["belady"]
+    belady_queue = replay_module.OFFLINE_POLICIES["belady"]
     try:
         for _ in range(repeats):
             for name in runs:
                 replay_module.OFFLINE_POLICIES["belady"] = (
-                    PerBlockBeladyQueue if name == "belady, per block" else runs_queue)
+                    PerBlockBeladyQueue if name == "belady, per block" else belady_queue)
                 seconds, answer = timed(prepared, num_blocks, name.split(",")[0])
                 runs[name].append(seconds)
                 answers[name] = answer
     finally:
-        replay_module.OFFLINE_POLICIES["belady"] = runs_queue
+        replay_module.OFFLINE_POLICIES["belady"] = belady_queue
     best = {name: min(times) for name, times in runs.items()}
     return {
         "trace": trace_path.name,
