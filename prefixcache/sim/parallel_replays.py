@@ -34,9 +34,14 @@ class ReplayWorkerDied(RuntimeError):
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent ends
 
-# The trace the workers replay: set in the parent for as long as its pool lives, and
-# inherited by the forked workers.
+# How often the parent reads the workers' progress counts, in seconds.
+_PROGRESS_POLL_S = 0.25
+
+# The trace the workers replay, and the requests each configuration has replayed so far
+# (one slot per configuration, written only by the worker replaying it): set in the
+# parent for as long as its pool lives, and inherited by the forked workers.
 _shared_trace: PreparedTrace | None = None
+_requests_replayed = None
 
 
 def can_fork() -> bool:
@@ -57,8 +62,11 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _replay_shared(config: ReplayConfig) -> ReplayResult:
-    return replay(_shared_trace, config)
+def _replay_shared(index: int, config: ReplayConfig) -> ReplayResult:
+    def count(num_requests: int) -> None:
+        _requests_replayed[index] += num_requests
+
+    return replay(_shared_trace, config, count)
 
 
 def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
@@ -68,12 +76,12 @@ def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
     using up to ``jobs`` worker processes (1: this one).
 
     ``progress(n)`` gets ``len(prepared.requests)`` per replay in all, as :func:`replay`
-    gives it: as requests go in this process, and all at once as a worker finishes a
-    replay. Belady's replays, the longest, are started first. ValueError if ``jobs`` is
-    below 1, or above 1 where workers cannot be forked. An error in a replay is raised
-    here as in this process, once the workers still replaying are stopped;
-    :class:`ReplayWorkerDied` if a worker is killed. One call at a time per process:
-    the workers find the trace in a module global.
+    gives it, always in this process: as requests go, with workers too (read every
+    ``_PROGRESS_POLL_S``). Belady's replays, the longest, are started first. ValueError
+    if ``jobs`` is below 1, or above 1 where workers cannot be forked. An error in a
+    replay is raised here as in this process, once the workers still replaying are
+    stopped; :class:`ReplayWorkerDied` if a worker is killed. One call at a time per
+    process: the workers find the trace in a module global.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -82,22 +90,27 @@ def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
     if not can_fork():
         raise ValueError("parallel replays need the fork start method, which this "
                          "platform lacks; use one job")
-    global _shared_trace
+    global _shared_trace, _requests_replayed
     order = sorted(range(len(configs)), key=lambda i: configs[i].policy != BELADY)
     results: list[ReplayResult | None] = [None] * len(configs)
+    context = multiprocessing.get_context("fork")
     _shared_trace = prepared
+    _requests_replayed = context.RawArray("q", len(configs))
+    reported = 0
     pool = ProcessPoolExecutor(min(jobs, len(configs)),
-                               mp_context=multiprocessing.get_context("fork"),
+                               mp_context=context,
                                initializer=_die_with_parent, initargs=(os.getpid(),))
     all_done = False
     try:
-        pending = {pool.submit(_replay_shared, configs[i]): i for i in order}
+        pending = {pool.submit(_replay_shared, i, configs[i]): i for i in order}
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, timeout=_PROGRESS_POLL_S, return_when=FIRST_COMPLETED)
             for future in done:
                 results[pending.pop(future)] = future.result()  # a replay's error: raised
-                if progress is not None:
-                    progress(len(prepared.requests))
+            replayed = sum(_requests_replayed)
+            if progress is not None and replayed > reported:
+                progress(replayed - reported)
+                reported = replayed
         all_done = True
     except BrokenProcessPool as exc:
         # A worker killed from outside (the kernel's out-of-memory killer, a signal).
@@ -107,7 +120,7 @@ def replay_all(prepared: PreparedTrace, configs: Sequence[ReplayConfig],
         if not all_done:
             _kill_workers(pool)  # their results are no longer wanted
         pool.shutdown(wait=True, cancel_futures=True)
-        _shared_trace = None
+        _shared_trace = _requests_replayed = None
     return results
 
 
