@@ -41,7 +41,7 @@ _PROGRESS_POLL_S = 0.25
 # (one slot per configuration, written only by the worker replaying it): set in the
 # parent for as long as its pool lives, and inherited by the forked workers.
 _shared_trace: PreparedTrace | None = None
-_requests_replayed = None
+_requests_replayed: ctypes.Array[ctypes.c_longlong] | None = None
 
 
 def can_fork() -> bool:
