@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from prefixcache.core import KVCacheBlock, Request
+from prefixcache.core import EVICTION_POLICIES, KVCacheBlock, Request
 from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.core.eviction.document_liveness_model import (
     KEPT_TAIL_HASHES,
@@ -22,6 +22,7 @@ from prefixcache.core.eviction.document_liveness_model import (
 from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue
 from prefixcache.core.request import RequestStatus
 from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
+from tests.core.reference_document_liveness import OneHeapDocumentLivenessQueue
 
 BLOCK_SIZE = 4
 
@@ -293,6 +294,49 @@ def test_random_workloads_keep_the_queue_exact(max_states):
         free = queue.get_all_free_blocks()
         assert len(free) == queue.num_free_blocks == 24
         assert len({b.block_id for b in free}) == 24
+
+
+def test_the_lists_evict_in_exactly_the_order_of_one_heap_rekeyed_whole(monkeypatch):
+    """Documents asked about again and again, under a pool small enough to evict at
+    most requests, refits every 5 requests, preempted releases and a reset: the lists
+    keep the same free blocks in the same order, with the same keys, as one heap of
+    every group re-keyed whole."""
+    managers = [make_liveness_manager(num_blocks=60)]
+    monkeypatch.setitem(EVICTION_POLICIES, "document-liveness",
+                        OneHeapDocumentLivenessQueue)
+    managers.append(make_liveness_manager(num_blocks=60))
+    for mgr in managers:
+        queue_of(mgr).model = DocumentLivenessModel(refit_every=5)
+    rng = random.Random(7)
+    num_hit_tokens = [0, 0]
+    num_with_lists = 0
+    for i in range(600):
+        document = rng.randrange(30)
+        prompt = (seq(1000 * document, 4 * rng.randrange(2, 6))
+                  + seq(10_000 + 100 * i, rng.randrange(1, 9)))
+        status = (RequestStatus.PREEMPTED if rng.random() < 0.1
+                  else RequestStatus.FINISHED_STOPPED)
+        num_output_tokens = rng.choice([1, 2, 5, 30])
+        for index, mgr in enumerate(managers):
+            request = Request(str(i), prompt)
+            num_hit, new_ids = schedule_prefill(mgr, request)
+            assert new_ids is not None
+            num_hit_tokens[index] += num_hit
+            request.append_output_token_ids([7] * num_output_tokens)
+            assert mgr.allocate_slots(request, num_output_tokens) is not None
+            request.num_computed_tokens = request.num_tokens
+            request.status = status
+            mgr.free(request)
+        lists_queue = queue_of(managers[0])
+        num_with_lists += bool(lists_queue._lists)
+        assert sum(map(len, lists_queue._lists.values())) == lists_queue._num_listed
+        assert free_ids(managers[0]) == free_ids(managers[1])
+        assert lists_queue.free_block_keys() == queue_of(managers[1]).free_block_keys()
+        if i == 300:
+            for mgr in managers:
+                assert mgr.reset_prefix_cache()
+    assert num_hit_tokens[0] == num_hit_tokens[1] > 0
+    assert queue_of(managers[0]).model.num_fits > 100 and num_with_lists > 500
 
 
 def test_a_group_kept_across_a_reset_can_take_blocks_again():

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES
+from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
 from prefixcache.sim.belady import BeladyFreeBlockQueue
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
@@ -21,6 +22,7 @@ from prefixcache.sim.sweep import (
     working_set_blocks,
 )
 from prefixcache.sim.trace import Trace, TraceRequest
+from tests.core.reference_document_liveness import OneHeapDocumentLivenessQueue
 from tests.sim.helpers import prepared_prefix, random_mooncake_trace, simple_lru_hit_rate
 from tests.sim.reference_belady import PerBlockBeladyQueue
 
@@ -345,7 +347,8 @@ def test_config_validation():
 
 
 def _evictions_under(queue_class, prepared, config, monkeypatch):
-    """The replay's result, and every block id its free queue gave out, in order."""
+    """The replay's result with ``queue_class`` as ``config.policy``'s queue, and every
+    block id the queue gave out, in order."""
     taken: list[int] = []
 
     class Recording(queue_class):
@@ -354,8 +357,29 @@ def _evictions_under(queue_class, prepared, config, monkeypatch):
             taken.extend(block.block_id for block in blocks)
             return blocks
 
-    monkeypatch.setitem(replay_module.OFFLINE_POLICIES, "belady", Recording)
+    registry = (replay_module.OFFLINE_POLICIES if config.policy in replay_module.OFFLINE_POLICIES
+                else EVICTION_POLICIES)
+    monkeypatch.setitem(registry, config.policy, Recording)
     return replay(prepared, config), taken
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("mode", [{"concurrency": 1}, {"concurrency": 3}, {"timeline": True}])
+def test_document_liveness_takes_blocks_in_the_order_of_one_heap_of_every_group(
+        seed, mode, monkeypatch):
+    # Block size 64: eight blocks per trace block, so depth classes vary within prompts.
+    prepared = prepare_trace(random_mooncake_trace(seed, num_requests=200, num_roots=10),
+                             TraceExpander(64))
+    smallest = max(prepared.blocks_needed)
+    for num_blocks in (smallest, 2 * smallest, 4 * smallest):
+        config = ReplayConfig(num_blocks, "document-liveness", **mode)
+        listed = DocumentLivenessFreeBlockQueue
+        result, taken = _evictions_under(listed, prepared, config, monkeypatch)
+        expected, expected_taken = _evictions_under(OneHeapDocumentLivenessQueue, prepared,
+                                                    config, monkeypatch)
+        assert result.num_evictions > 0
+        assert taken == expected_taken
+        assert _figures(result) == _figures(expected)
 
 
 @pytest.mark.parametrize("seed", range(6))

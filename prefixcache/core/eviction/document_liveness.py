@@ -30,7 +30,7 @@ Contract:
 - Memory is bounded: at most ``max_documents`` documents (least recently asked about
   forgotten first), each with its latest prompt's last 64 block hashes, and the model's
   bounded states. A group release or removal costs O(log groups); every refit re-keys
-  the free groups, O(groups).
+  the free groups by their lists, one per (class, depth class): O(classes).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from prefixcache.core.eviction.document_liveness_model import (
     DocumentLivenessModel,
     logit,
 )
-from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue, KeyGroup
+from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
 
@@ -72,6 +72,9 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         self.max_documents = max_documents
         self._documents: OrderedDict[BlockHash, DocumentHistory] = OrderedDict()
         self._num_fits_keyed = 0
+        # log r(depth) per depth class as at the last re-key, for the listed groups' keys.
+        self._log_share_at_rekey = [self.model.log_share_reached(depth)
+                                    for depth in range(self.model.max_depth_bits + 1)]
         super().__init__(blocks)
 
     def parts_for(self, block: KVCacheBlock) -> tuple[int, float, int] | None:
@@ -91,6 +94,27 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         return (logit(model.class_probability(finest_class)) + clock
                 + model.log_share_reached(depth))
 
+    def listed_key_of_parts(self, parts: tuple[int, float, int]) -> float:
+        """:meth:`key_of_parts` from the estimates at the last re-key: ``p`` changes only
+        at a fit, which is followed by a re-key, but ``r`` moves with every request."""
+        finest_class, clock, depth = parts
+        model = self.model
+        if finest_class == UNKNOWN_CLASS:
+            return logit(model.overall_p) + clock
+        return (logit(model.class_probability(finest_class)) + clock
+                + self._log_share_at_rekey[depth])
+
+    def list_of_parts(self, parts: tuple[int, float, int]) -> tuple[int, int]:
+        """(class, depth class): under one set of estimates a key is a per-list value plus
+        the clock at release, which only advances."""
+        return parts[0], parts[2]
+
+    def _recompute_keys(self) -> None:
+        model = self.model
+        self._log_share_at_rekey = [model.log_share_reached(depth)
+                                    for depth in range(model.max_depth_bits + 1)]
+        super()._recompute_keys()
+
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         prompt_hashes = self._prompt_hashes(request)
         if not prompt_hashes or request.status is RequestStatus.PREEMPTED:
@@ -105,10 +129,10 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
             self._recompute_keys()
         finest_class = model.finest_class(document.state_id)
         clock = model.clock
-        last = len(prompt_hashes) - 1
-        depth_of = {block_hash: model.depth_class(last - position, block_size)
-                    for position, block_hash in enumerate(prompt_hashes)}
-        groups: dict[int, KeyGroup] = {}  # by depth class
+        depth_of = dict(zip(prompt_hashes,
+                            model.depth_classes(len(prompt_hashes), block_size), strict=True))
+        # One group per depth class, made in the order the classes first appear.
+        by_depth: dict[int, list[KVCacheBlock]] = {}
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
@@ -116,10 +140,13 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
                 continue
             # Generated content beyond the prompt counts as its deepest block.
             depth = depth_of.get(block_hash, 0)
-            group = groups.get(depth)
-            if group is None:
-                group = groups[depth] = self._new_group((finest_class, clock, depth))
-            self._add_to_group(group, block)
+            same_depth = by_depth.get(depth)
+            if same_depth is None:
+                by_depth[depth] = [block]
+            else:
+                same_depth.append(block)
+        for depth, same_depth in by_depth.items():
+            self._add_n_to_group(self._new_group((finest_class, clock, depth)), same_depth)
 
     def policy_state(self) -> dict:
         """The model's overall continuation chance, the mean number of requests between

@@ -215,6 +215,30 @@ class DocumentLivenessModel:
         full block: the bit length of that distance in tokens, capped."""
         return min((blocks_from_end * block_size).bit_length(), self.max_depth_bits)
 
+    def depth_class_runs(self, num_blocks: int, block_size: int) -> list[tuple[int, int, int]]:
+        """The depth classes of a prompt of ``num_blocks`` full blocks as runs
+        ``(depth class, first, end)`` of distances from its last block, nearest first:
+        a class covers a range of distances, so a prompt has at most
+        ``max_depth_bits + 1`` runs."""
+        runs = []
+        distance = 0
+        while distance < num_blocks:
+            depth = self.depth_class(distance, block_size)
+            # The distances of class d < max_depth_bits: distance * block_size < 2**d.
+            end = (num_blocks if depth >= self.max_depth_bits
+                   else min(num_blocks, ((1 << depth) - 1) // block_size + 1))
+            runs.append((depth, distance, end))
+            distance = end
+        return runs
+
+    def depth_classes(self, num_blocks: int, block_size: int) -> list[int]:
+        """The depth class of each of a prompt's ``num_blocks`` full blocks, first block
+        first."""
+        classes = []
+        for depth, first, end in reversed(self.depth_class_runs(num_blocks, block_size)):
+            classes += [depth] * (end - first)
+        return classes
+
     def observe_next_request(self, previous_num_blocks: int,
                              previous_tail_hashes: list[BlockHash],
                              new_hashes: list[BlockHash], block_size: int) -> None:
@@ -226,15 +250,17 @@ class DocumentLivenessModel:
         given tail is shared exactly when the tail's first block is — unless the prompts
         part inside that deep stretch, which then counts as not shared."""
         shared = set(new_hashes)
-        last = previous_num_blocks - 1
-        tail_start = previous_num_blocks - len(previous_tail_hashes)
+        num_tail = len(previous_tail_hashes)
         deep_is_shared = bool(previous_tail_hashes) and previous_tail_hashes[0] in shared
-        for position in range(previous_num_blocks):
-            depth = self.depth_class(last - position, block_size)
-            self._depth_seen[depth] += 1
-            if (previous_tail_hashes[position - tail_start] in shared
-                    if position >= tail_start else deep_is_shared):
-                self._depth_shared[depth] += 1
+        seen, shared_counts = self._depth_seen, self._depth_shared
+        for depth, first, end in self.depth_class_runs(previous_num_blocks, block_size):
+            seen[depth] += end - first
+            # The tail's block at distance d from the end is previous_tail_hashes[-1 - d].
+            for distance in range(first, min(end, num_tail)):
+                if previous_tail_hashes[num_tail - 1 - distance] in shared:
+                    shared_counts[depth] += 1
+            if deep_is_shared and end > num_tail:
+                shared_counts[depth] += end - max(first, num_tail)
 
     def log_share_reached(self, depth: int) -> float:
         """log r(depth): how often the next request shares a block of this depth class."""

@@ -12,8 +12,9 @@ compacted away once they outnumber the live ones.
 
 :class:`ScoredFreeBlockQueue` keys every block on its own. :class:`GroupedScoredFreeBlockQueue`
 keys *groups* of blocks that always share a key (say, the blocks one request released at
-one depth) and keeps each group's blocks in order: re-keying after the estimates behind
-the keys change then costs one key per group, not per block.
+one depth) and keeps each group's blocks in order, the groups in lists whose keys stay in
+the order the groups were made: re-keying after the estimates behind the keys change then
+costs one key per list, not per group or per block.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ class VersionedFreeBlockQueue(FreeKVCacheBlockQueue):
 
     def _enter(self, block: KVCacheBlock) -> int:
         """Count ``block`` in; returns its new (odd) version."""
-        return self._enter_n([block])[0]
+        versions = self._versions
+        block_id = block.block_id
+        if block_id >= len(versions):  # a block the queue was not built with
+            versions.extend([0] * (block_id + 1 - len(versions)))
+        version = versions[block_id] + 1
+        versions[block_id] = version
+        self.num_free_blocks += 1
+        return version
 
     def _enter_n(self, blocks: list[KVCacheBlock]) -> list[int]:
         """Count ``blocks`` in; returns their new (odd) versions, in order."""
@@ -172,16 +180,20 @@ class ScoredFreeBlockQueue(VersionedFreeBlockQueue):
 class KeyGroup:
     """Blocks that share one key, in eviction order, with the parts the key is computed
     from. ``entries`` holds ``(block, version)`` from ``next_index`` on; an entry whose
-    version is no longer the block's is stale (the block was taken or hit)."""
+    version is no longer the block's is stale (the block was taken or hit). ``listed``
+    once the group has joined its list (at a re-key); until then ``key`` is the key it
+    was made with and ``heap_version`` tells its current entry in the heap of new
+    groups."""
 
-    __slots__ = ("parts", "key", "order", "heap_version", "entries", "next_index",
-                 "num_live")
+    __slots__ = ("parts", "key", "order", "heap_version", "listed", "entries",
+                 "next_index", "num_live")
 
     def __init__(self, parts: Any, key: Any, order: int) -> None:
         self.parts = parts
         self.key = key
         self.order = order
         self.heap_version = 0
+        self.listed = False
         self.entries: list[tuple[KVCacheBlock, int]] = []
         self.next_index = 0
         self.num_live = 0
@@ -195,8 +207,18 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
     Subclasses compute keys from parts: :meth:`key_of_parts`, and :meth:`parts_for` for
     blocks handed in without context (``append``, ``append_n``, ``prepend_n``, and
     ``release`` unless overridden; None puts a block with the empty ones). They put
-    blocks in groups of their own with :meth:`_new_group` and :meth:`_add_to_group`, and
-    call :meth:`_recompute_keys` when the estimates behind the keys change (O(groups)).
+    blocks in groups of their own with :meth:`_new_group` and :meth:`_add_to_group` (a
+    group takes blocks only until the next re-key), and call :meth:`_recompute_keys` when
+    the estimates behind the keys change.
+
+    A re-key costs O(lists), not O(groups). Each group belongs to a *list*
+    (:meth:`list_of_parts`): under one set of estimates, the keys of a list's groups never
+    decrease in the order the groups were made (a per-list value plus a clock that only
+    advances, say). Groups made since the last re-key keep the key they were made with,
+    in a heap of their own; a re-key appends them to their lists, and from then on a
+    listed group is keyed by :meth:`listed_key_of_parts`, the estimates as they were at
+    that re-key, when it reaches the head of its list. Only list heads are in the heap of
+    lists, so the order is exactly that of one heap over every group's key.
     Same contract as every free queue: it holds exactly the ``ref_cnt == 0`` blocks, each
     once; ``prepend_n`` orders by key like the rest.
     """
@@ -205,7 +227,16 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
         self._empty: deque[tuple[KVCacheBlock, int]] = deque()
         self._group_of: dict[int, KeyGroup] = {}  # block id -> its group, while queued
         self._live_groups: dict[int, KeyGroup] = {}  # by order, groups with a block
-        self._heap: list[tuple[Any, int, int, KeyGroup]] = []
+        # Groups made since the last re-key, in order, and their heap on (key, order).
+        self._new_groups: list[KeyGroup] = []
+        self._new_heap: list[tuple[Any, int, int, KeyGroup]] = []
+        # The listed groups, each list in the order its groups were made; emptied groups
+        # stay until they reach the head (or a compaction).
+        self._lists: dict[Any, deque[KeyGroup]] = {}
+        self._num_listed = 0
+        # (key, order, list id) of list heads. An entry whose order is no longer its
+        # list's head is stale; its key is at most the head's, so it surfaces first.
+        self._heads: list[tuple[Any, int, Any]] = []
         self._num_groups_made = 0
         super().__init__(blocks)
 
@@ -215,6 +246,18 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
         """The key of a group with these parts, from the current estimates."""
         raise NotImplementedError
 
+    def listed_key_of_parts(self, parts: Any) -> Any:
+        """The key of a listed group with these parts, from the estimates as they were at
+        the last :meth:`_recompute_keys` (by default :meth:`key_of_parts`: right for
+        estimates that change only at re-keys)."""
+        return self.key_of_parts(parts)
+
+    def list_of_parts(self, parts: Any) -> Any:
+        """The list of a group with these parts: hashable and comparable with the other
+        list ids (ints or tuples of them). Under one set of estimates the keys of one
+        list's groups must not decrease in the order they are made."""
+        raise NotImplementedError
+
     def parts_for(self, block: KVCacheBlock) -> Any:
         """The key parts of ``block`` handed in without context; None: it is empty."""
         raise NotImplementedError
@@ -222,30 +265,87 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
     # -- groups ---------------------------------------------------------------------------
 
     def _new_group(self, parts: Any) -> KeyGroup:
+        if len(self._new_groups) > 2 * len(self._live_groups) + 1024:
+            # Without re-keys, groups emptied by hits would pile up here.
+            self._new_groups = [g for g in self._new_groups if g.num_live]
+            self._new_heap = [entry for entry in self._new_heap
+                              if entry[2] == entry[3].heap_version and entry[3].num_live]
+            heapq.heapify(self._new_heap)
         self._num_groups_made += 1
         return KeyGroup(parts, self.key_of_parts(parts), self._num_groups_made)
 
     def _add_to_group(self, group: KeyGroup, block: KVCacheBlock) -> None:
-        group.entries.append((block, self._enter(block)))
-        group.num_live += 1
-        self._group_of[block.block_id] = group
-        if group.num_live == 1:  # (again) in the running
+        self._add_n_to_group(group, [block])
+
+    def _add_n_to_group(self, group: KeyGroup, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the end of ``group``, in order."""
+        if group.listed:
+            raise RuntimeError("a group takes blocks only until the next re-key")
+        if not blocks:
+            return
+        # _enter_n's work and the group's, in one pass: this runs for every released block.
+        versions, group_of = self._versions, self._group_of
+        append = group.entries.append
+        for block in blocks:
+            block_id = block.block_id
+            try:
+                version = versions[block_id] + 1
+            except IndexError:  # a block the queue was not built with
+                versions.extend([0] * (block_id + 1 - len(versions)))
+                version = 1
+            versions[block_id] = version
+            append((block, version))
+            group_of[block_id] = group
+        self.num_free_blocks += len(blocks)
+        group.num_live += len(blocks)
+        if group.num_live == len(blocks):  # (again) in the running
             self._live_groups[group.order] = group
+            self._new_groups.append(group)
             group.heap_version += 1
-            heapq.heappush(self._heap, (group.key, group.order, group.heap_version, group))
+            heapq.heappush(self._new_heap,
+                           (group.key, group.order, group.heap_version, group))
 
     def _add_empty(self, block: KVCacheBlock) -> None:
         self._empty.append((block, self._enter(block)))
 
     def _recompute_keys(self) -> None:
-        """Give every group with free blocks its key from the current estimates."""
-        heap = []
-        for group in self._live_groups.values():
-            group.key = self.key_of_parts(group.parts)
-            group.heap_version += 1
-            heap.append((group.key, group.order, group.heap_version, group))
-        heapq.heapify(heap)
-        self._heap = heap
+        """Key every group with free blocks from the current estimates: the new groups
+        join their lists, and each list's head is keyed."""
+        lists = self._lists
+        list_of_parts = self.list_of_parts
+        for group in self._new_groups:
+            if group.num_live and not group.listed:  # (a group refilled is here twice)
+                group.listed = True
+                list_id = list_of_parts(group.parts)
+                groups = lists.get(list_id)
+                if groups is None:
+                    groups = lists[list_id] = deque()
+                groups.append(group)
+                self._num_listed += 1
+        self._new_groups = []
+        self._new_heap = []
+        heads = []
+        for list_id in list(lists):
+            head = self._list_head(list_id)
+            if head is not None:
+                head.key = self.listed_key_of_parts(head.parts)
+                heads.append((head.key, head.order, list_id))
+        heapq.heapify(heads)
+        self._heads = heads
+
+    def _list_head(self, list_id: Any) -> KeyGroup | None:
+        """The first group of the list with free blocks (emptied ones ahead of it are
+        dropped); None, and the list is dropped, if it has none."""
+        groups = self._lists.get(list_id)
+        if groups is None:
+            return None
+        while groups and not groups[0].num_live:
+            groups.popleft()
+            self._num_listed -= 1
+        if not groups:
+            del self._lists[list_id]
+            return None
+        return groups[0]
 
     def remove(self, block: KVCacheBlock) -> None:
         super().remove(block)
@@ -257,30 +357,83 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
             return
         group.num_live -= 1
         if group.num_live == 0:
-            del self._live_groups[group.order]
-            group.entries.clear()
-            group.next_index = 0
+            self._drop_emptied(group)
+
+    def _drop_emptied(self, group: KeyGroup) -> None:
+        """``group`` has no free block left."""
+        del self._live_groups[group.order]
+        group.entries.clear()
+        group.next_index = 0
+        if self._num_listed > 2 * len(self._live_groups) + 1024:
+            self._compact_lists()
+
+    def _compact_lists(self) -> None:
+        """Drop the emptied groups from every list (the heads' entries may go stale)."""
+        for list_id, groups in list(self._lists.items()):
+            live = deque(group for group in groups if group.num_live)
+            if live:
+                self._lists[list_id] = live
+            else:
+                del self._lists[list_id]
+        self._num_listed = sum(len(groups) for groups in self._lists.values())
+
+    def _lowest_group(self) -> KeyGroup | None:
+        """The group with free blocks whose (key, order) is lowest, if any."""
+        new_heap = self._new_heap
+        while new_heap:
+            _, _, heap_version, group = new_heap[0]
+            if heap_version == group.heap_version and group.num_live:
+                break
+            heapq.heappop(new_heap)
+        heads = self._heads
+        while heads:
+            _, order, list_id = heads[0]
+            head = self._list_head(list_id)
+            if head is not None and head.order == order:
+                break
+            heapq.heappop(heads)
+            if head is not None:  # a stale entry: the list's head is now a later group
+                head.key = self.listed_key_of_parts(head.parts)
+                heapq.heappush(heads, (head.key, head.order, list_id))
+        if not heads:
+            return new_heap[0][3] if new_heap else None
+        if not new_heap or heads[0][:2] < new_heap[0][:2]:
+            return self._lists[heads[0][2]][0]
+        return new_heap[0][3]
 
     def _pop_lowest(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The ``n`` next blocks: the empty ones, then group by group, each group's in
+        order (a group stays the lowest while blocks are taken: no key changes)."""
+        self._check_take(n)
+        taken: list[KVCacheBlock] = []
         empty = self._empty
-        while empty:
+        while empty and len(taken) < n:
             block, version = empty.popleft()
             if self._leave_if_current(block, version):
-                return block
-        heap = self._heap
-        while heap:
-            _, _, heap_version, group = heap[0]
-            if heap_version != group.heap_version or group.num_live == 0:
-                heapq.heappop(heap)
-                continue
-            entries = group.entries
-            while True:  # num_live > 0: a current entry is ahead
-                block, version = entries[group.next_index]
-                group.next_index += 1
-                if self._leave_if_current(block, version):
-                    self._leave_group(block)
-                    return block
-        raise ValueError("No free blocks available")
+                taken.append(block)
+        versions, group_of = self._versions, self._group_of
+        while len(taken) < n:
+            group = self._lowest_group()  # there is one: n blocks are free
+            entries, index = group.entries, group.next_index
+            num_taken = len(taken)
+            wanted = min(n - num_taken, group.num_live)
+            while len(taken) - num_taken < wanted:
+                block, version = entries[index]
+                index += 1
+                block_id = block.block_id
+                if versions[block_id] == version:  # else taken or hit since it joined
+                    versions[block_id] = version + 1
+                    del group_of[block_id]
+                    taken.append(block)
+            group.next_index = index
+            group.num_live -= wanted
+            self.num_free_blocks -= wanted
+            if not group.num_live:
+                self._drop_emptied(group)
+        return taken
 
     # -- the free-queue contract -----------------------------------------------------------
 
@@ -305,11 +458,15 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
         return [block for block, version in entries
                 if versions[block.block_id] == version]
 
+    def _current_key(self, group: KeyGroup) -> Any:
+        return self.listed_key_of_parts(group.parts) if group.listed else group.key
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block in eviction order. O(n + groups log groups); for tests and
         tools."""
         blocks = self._current_entries(self._empty)
-        for group in sorted(self._live_groups.values(), key=lambda g: (g.key, g.order)):
+        for group in sorted(self._live_groups.values(),
+                            key=lambda g: (self._current_key(g), g.order)):
             blocks += self._current_entries(group.entries[group.next_index:])
         return blocks
 
@@ -318,20 +475,29 @@ class GroupedScoredFreeBlockQueue(VersionedFreeBlockQueue):
         keys: dict[int, Any] = {block.block_id: None
                                 for block in self._current_entries(self._empty)}
         for group in self._live_groups.values():
+            key = self._current_key(group)
             for block in self._current_entries(group.entries[group.next_index:]):
-                keys[block.block_id] = group.key
+                keys[block.block_id] = key
         return keys
 
     def _empty_every_block(self) -> None:
         """Move every free block, in eviction order, to the empty FIFO (their content was
-        just dropped). Every group is left empty, so a subclass may still add to one."""
+        just dropped). Every group is left empty and unlisted, so a subclass may still add
+        to one."""
         blocks = self.get_all_free_blocks()
         for group in self._live_groups.values():
             group.entries.clear()
             group.next_index = group.num_live = 0
+        for groups in self._lists.values():
+            for group in groups:  # a subclass may still add to one: it is new again
+                group.listed = False
         self._live_groups.clear()
         self._group_of.clear()
-        self._heap = []
+        self._new_groups = []
+        self._new_heap = []
+        self._lists.clear()
+        self._num_listed = 0
+        self._heads = []
         self._empty.clear()
         for block in blocks:  # out, then back in with a fresh version
             self._leave_if_current(block, self._versions[block.block_id])
