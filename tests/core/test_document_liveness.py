@@ -22,7 +22,10 @@ from prefixcache.core.eviction.document_liveness_model import (
 from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue
 from prefixcache.core.request import RequestStatus
 from tests.core.helpers import free_ids, make_manager, schedule_prefill, seq
-from tests.core.reference_document_liveness import OneHeapDocumentLivenessQueue
+from tests.core.reference_document_liveness import (
+    OneHeapDocumentLivenessQueue,
+    PlainLoopModel,
+)
 
 BLOCK_SIZE = 4
 
@@ -165,6 +168,36 @@ def test_the_clock_follows_the_fitted_rate_until_enough_waits_have_ended():
     assert model.wait_shape == 1.0
     play_bursty_documents(model, random.Random(3), 1000)  # long waits end too
     assert model.wait_shape > 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fit_gives_exactly_what_plain_loops_give(seed):
+    """Documents of several kinds asked about at random, with states cut back, bins of
+    several widths and refits every few requests: every estimate equal to the last bit."""
+    rng = random.Random(seed)
+    knobs = {"max_states": rng.choice([40, 5_000]), "refit_every": rng.choice([3, 25]),
+             "hazard_bin": rng.choice([7, 200])}
+    models = [DocumentLivenessModel(**knobs), PlainLoopModel(**knobs)]
+    documents: list[list[DocumentHistory]] = [[], []]
+    for _ in range(1500):
+        index = rng.randrange(len(documents[0])) if documents[0] and rng.random() < 0.6 else None
+        output_tokens, prompt_tokens = rng.choice([1, 5, 50, 600]), rng.randrange(100, 5000)
+        for model, kept in zip(models, documents, strict=True):
+            if index is None:
+                document = DocumentHistory(prompt_tokens, output_tokens)
+                kept.append(document)
+            else:
+                document = kept[index]
+                document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
+                document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
+            document.num_requests += 1
+            model.tick()
+            document.state_id = model.new_state(document)
+    fast, plain = models
+    assert fast.num_fits == plain.num_fits >= 60
+    assert fast._leaf_p == plain._leaf_p and fast._bin_rates == plain._bin_rates
+    assert (fast.rate, fast.overall_p, fast.clock) == (plain.rate, plain.overall_p,
+                                                       plain.clock)
 
 
 def test_memory_stays_bounded():

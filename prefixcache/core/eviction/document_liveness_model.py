@@ -51,15 +51,6 @@ def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-def cumulative_rate(offset: int, rates: list[float], at_bin_start: list[float],
-                    width: int) -> float:
-    """H at ``offset``: the integral of a rate that is ``rates[j]`` over bin ``j`` (of
-    ``width`` releases from offset 0; ``at_bin_start[j]`` is H where bin ``j`` starts),
-    and the last bin's beyond."""
-    j = min(offset // width, len(rates) - 1)
-    return at_bin_start[j] + rates[j] * (offset - j * width)
-
-
 # Hashes of a document's latest prompt kept to see what its next request shares: the
 # last ones only (the question is at the end), so memory per document stays small.
 KEPT_TAIL_HASHES = 64
@@ -272,7 +263,10 @@ class DocumentLivenessModel:
         """Refit ``p`` per class and the rate per bin by EM over the states kept.
 
         Plain Python, as the whole core (no numpy): one pass over the states and one over
-        the releases they span per iteration."""
+        the releases they span per iteration. What does not change between iterations
+        (each waiting state's bins, the trials per class, the continuations per bin) is
+        computed once. Every float sum is taken in state or release order, as one loop
+        over them would: the fit must not depend on how it is computed."""
         now = self.now
         width = self.hazard_bin
         starts = self._state_start  # in time order: the first is the earliest
@@ -281,6 +275,8 @@ class DocumentLivenessModel:
         first_bin = starts[0] // width
         origin = first_bin * width
         num_bins = now // width - first_bin + 1
+        last_bin = num_bins - 1
+        span = now - origin + 1  # the releases the states span, from offset 0
         # Start from the previous fit's rates where its bins overlap, else its last one.
         previous = self._bin_rates
         rates = [previous[j - self._first_bin]
@@ -289,37 +285,53 @@ class DocumentLivenessModel:
         leaf_p = self._leaf_p
         start_offsets = [start - origin for start in starts]
         end_offsets = [(at if at >= 0 else now) - origin for at in continued_at]
+        # Where each waiting state's wait starts and ends: (bin, offset into the bin),
+        # for H(offset) = H(bin start) + rate of the bin * offset into it (the last bin's
+        # rate beyond it).
+        waiting = []
+        for index, (start, end, at) in enumerate(zip(start_offsets, end_offsets,
+                                                     continued_at, strict=True)):
+            if at < 0:
+                start_bin = min(start // width, last_bin)
+                end_bin = min(end // width, last_bin)
+                waiting.append((index, classes[index][2], start_bin,
+                                start - start_bin * width, end_bin, end - end_bin * width))
         events = [0] * num_bins  # continuations per bin: the same in every iteration
         for at in continued_at:
             if at >= 0:
                 events[(at - origin) // width] += 1
         num_classes = [len(ids) for ids in self._class_ids]
+        class_of_level = [[state_classes[level] for state_classes in classes]
+                          for level in range(3)]
+        trials_of_level = []
+        for level in range(3):
+            trials = [0] * num_classes[level]
+            for class_id in class_of_level[level]:
+                trials[class_id] += 1
+            trials_of_level.append(trials)
+        bin_ends = [min((j + 1) * width, span) for j in range(num_bins)]
         prior_weight = self.prior_weight
         overall = self.overall_p
+        exp = math.exp
         for _ in range(self.em_iterations):
             # E: the chance each waiting state's document is still alive.
             at_bin_start = [0.0]
             for rate in rates:
                 at_bin_start.append(at_bin_start[-1] + rate * width)
-            weights = []
-            for start, end, at, state_classes in zip(start_offsets, end_offsets,
-                                                      continued_at, classes, strict=True):
-                if at >= 0:
-                    weights.append(1.0)
-                    continue
-                p = leaf_p[state_classes[2]]
-                alive = p * math.exp(cumulative_rate(start, rates, at_bin_start, width)
-                                     - cumulative_rate(end, rates, at_bin_start, width))
-                weights.append(alive / max(alive + 1.0 - p, 1e-12))
+            weights = [1.0] * len(starts)
+            for index, leaf, start_bin, start_in, end_bin, end_in in waiting:
+                p = leaf_p[leaf]
+                alive = p * exp((at_bin_start[start_bin] + rates[start_bin] * start_in)
+                                - (at_bin_start[end_bin] + rates[end_bin] * end_in))
+                weights[index] = alive / max(alive + 1.0 - p, 1e-12)
             # M: p per class, each shrunk towards its parent's.
             overall = (sum(weights) + 1.0) / (len(weights) + 2.0)
             estimates: list[list[float]] = []
             for level in range(3):
                 successes = [0.0] * num_classes[level]
-                trials = [0] * num_classes[level]
-                for weight, state_classes in zip(weights, classes, strict=True):
-                    successes[state_classes[level]] += weight
-                    trials[state_classes[level]] += 1
+                for weight, class_id in zip(weights, class_of_level[level], strict=True):
+                    successes[class_id] += weight
+                trials = trials_of_level[level]
                 parents = self._class_parents[level]
                 estimates.append([
                     (successes[c] + prior_weight * (overall if level == 0
@@ -328,15 +340,20 @@ class DocumentLivenessModel:
                     for c in range(num_classes[level])])
             leaf_p = estimates[2]
             # M: the rate per bin, continuations over the expected alive exposure.
-            change = [0.0] * (now - origin + 2)
+            change = [0.0] * (span + 1)
             for start, end, weight in zip(start_offsets, end_offsets, weights, strict=True):
                 change[start] += weight
                 change[end] -= weight
             exposure = [0.0] * num_bins
             alive_count = 0.0
-            for offset in range(now - origin + 1):
-                alive_count += change[offset]
-                exposure[offset // width] += alive_count
+            offset = 0
+            for j, bin_end in enumerate(bin_ends):
+                in_bin = 0.0
+                for delta in change[offset:bin_end]:
+                    alive_count += delta
+                    in_bin += alive_count
+                exposure[j] = in_bin
+                offset = bin_end
             rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
                      for j in range(num_bins)]
         self._leaf_p = leaf_p
