@@ -27,6 +27,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Run as a script, this folder is on the path but not the repository, whose tests/ hold
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.replay_memory import synth  # noqa: E402
 from prefixcache.arg_types import positive_int  # noqa: E402
 from prefixcache.sim.expand import TraceExpander  # noqa: E402
-from prefixcache.sim.prepared import prepare_trace  # noqa: E402
+from prefixcache.sim.prepared import PreparedTrace, prepare_trace  # noqa: E402
 from prefixcache.sim.replay import ReplayConfig, replay  # noqa: E402
 from prefixcache.sim.sweep import capacities_from_spec, working_set_blocks  # noqa: E402
 from prefixcache.sim.trace import load_trace  # noqa: E402
@@ -55,26 +56,46 @@ def timed(prepared, num_blocks: int, policy: str) -> tuple[float, tuple[int, int
     return time.perf_counter() - started, (result.num_hit_tokens, result.num_evictions)
 
 
-def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: int,
-            max_requests: int | None = None) -> dict:
-    """One case: ``capacity`` in blocks, or as a share of the working set (a float)."""
+def timed_in_turn(prepared, num_blocks: int, repeats: int, registry: dict, policy: str,
+                  reference_label: str, reference_queue: type) -> tuple[dict, dict]:
+    """``repeats`` rounds of replays under ``lru``, ``policy`` and, as
+    ``reference_label``, ``policy`` with ``registry[policy]`` swapped for
+    ``reference_queue`` (put back after). Returns each label's times and its last
+    (hit tokens, evictions)."""
+    runs: dict[str, list[float]] = {"lru": [], policy: [], reference_label: []}
+    answers = {}
+    queue = registry[policy]
+    try:
+        for _ in range(repeats):
+            for label in runs:
+                registry[policy] = reference_queue if label == reference_label else queue
+                seconds, answers[label] = timed(prepared, num_blocks,
+                                                "lru" if label == "lru" else policy)
+                runs[label].append(seconds)
+    finally:
+        registry[policy] = queue
+    return runs, answers
+
+
+def prepared_case(trace_path: Path, block_size: int, capacity: int | float,
+                  max_requests: int | None) -> tuple[PreparedTrace, int, int]:
+    """A case's trace prepared once, its working set and its capacity in blocks
+    (``capacity`` is in blocks, or a share of the working set if a float)."""
     trace = load_trace(trace_path, max_requests=max_requests)
     prepared = prepare_trace(trace, TraceExpander(block_size))
     working_set = working_set_blocks(prepared)
     [num_blocks] = capacities_from_spec([capacity], working_set)
-    runs = {"lru": [], "belady": [], "belady, per block": []}
-    answers = {}
-    belady_queue = replay_module.OFFLINE_POLICIES["belady"]
-    try:
-        for _ in range(repeats):
-            for name in runs:
-                replay_module.OFFLINE_POLICIES["belady"] = (
-                    PerBlockBeladyQueue if name == "belady, per block" else belady_queue)
-                seconds, answer = timed(prepared, num_blocks, name.split(",")[0])
-                runs[name].append(seconds)
-                answers[name] = answer
-    finally:
-        replay_module.OFFLINE_POLICIES["belady"] = belady_queue
+    return prepared, working_set, num_blocks
+
+
+def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: int,
+            max_requests: int | None = None) -> dict:
+    """One case: ``capacity`` in blocks, or as a share of the working set (a float)."""
+    prepared, working_set, num_blocks = prepared_case(trace_path, block_size, capacity,
+                                                      max_requests)
+    runs, answers = timed_in_turn(prepared, num_blocks, repeats,
+                                  replay_module.OFFLINE_POLICIES, "belady",
+                                  "belady, per block", PerBlockBeladyQueue)
     best = {name: min(times) for name, times in runs.items()}
     return {
         "trace": trace_path.name,
@@ -93,22 +114,24 @@ def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: i
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_cases(description: str, full_cases: Callable[[Path], list[tuple]],
+              measure_case: Callable[..., dict]) -> int:
+    """The command line the replay-speed scripts share: ``--repeats``, and ``--quick``
+    (the shared trace's first 1,000 requests at block sizes 512 and 16, 10 % of the
+    working set) or else ``full_cases(directory)``, cases ``(trace path, block size,
+    capacity, max requests)`` whose synthetic traces are written in ``directory``. Each
+    case is measured with ``measure_case``, the JSON printed; returns 1 unless every case
+    gave the same answers both ways."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--repeats", type=positive_int, default=2,
-                        help="replays of each policy per case, least time kept (default 2)")
+                        help="replays of each queue per case, least time kept (default 2)")
     parser.add_argument("--quick", action="store_true",
                         help="the shared trace's first 1,000 requests only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        if args.quick:
-            cases = [(SHARED_TRACE, 512, 0.1, 1000), (SHARED_TRACE, 16, 0.1, 1000)]
-        else:
-            # The shared trace at the same KV size (2 M tokens) at both block sizes, where
-            # its LRU->Belady gap is widest; a synthetic mixture at 10 % of its working set.
-            cases = [(SHARED_TRACE, 512, 4000, None), (SHARED_TRACE, 16, 128_000, None),
-                     (synth(Path(directory), "mixture", 5000, "mooncake"), 16, 0.1, None)]
-        results = [measure(path, block_size, capacity, args.repeats, max_requests)
+        cases = ([(SHARED_TRACE, 512, 0.1, 1000), (SHARED_TRACE, 16, 0.1, 1000)]
+                 if args.quick else full_cases(Path(directory)))
+        results = [measure_case(path, block_size, capacity, args.repeats, max_requests)
                    for path, block_size, capacity, max_requests in cases]
     json.dump({
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -117,6 +140,17 @@ def main() -> int:
     }, sys.stdout, indent=1)
     print()
     return 0 if all(case["same_answers"] for case in results) else 1
+
+
+def full_cases(directory: Path) -> list[tuple]:
+    """The shared trace at the same KV size (2 M tokens) at both block sizes, where its
+    LRU->Belady gap is widest; a synthetic mixture at 10 % of its working set."""
+    return [(SHARED_TRACE, 512, 4000, None), (SHARED_TRACE, 16, 128_000, None),
+            (synth(directory, "mixture", 5000, "mooncake"), 16, 0.1, None)]
+
+
+def main() -> int:
+    return run_cases(" ".join(__doc__.split("\n\n")[0].split()), full_cases, measure)
 
 
 if __name__ == "__main__":

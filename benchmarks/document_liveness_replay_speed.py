@@ -23,25 +23,21 @@ Run from the repository root (it reads the one-heap queue from tests/):
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
 # Run as a script, this folder is on the path but not the repository, whose tests/ hold
 # the comparison point.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.belady_replay_speed import SHARED_TRACE, timed  # noqa: E402
+from benchmarks.belady_replay_speed import (  # noqa: E402
+    SHARED_TRACE,
+    prepared_case,
+    run_cases,
+    timed_in_turn,
+)
 from benchmarks.replay_memory import synth  # noqa: E402
-from prefixcache.arg_types import positive_int  # noqa: E402
 from prefixcache.core import EVICTION_POLICIES  # noqa: E402
-from prefixcache.sim.expand import TraceExpander  # noqa: E402
-from prefixcache.sim.prepared import prepare_trace  # noqa: E402
-from prefixcache.sim.sweep import capacities_from_spec, working_set_blocks  # noqa: E402
-from prefixcache.sim.trace import load_trace  # noqa: E402
 from tests.core.reference_document_liveness import OneHeapDocumentLivenessQueue  # noqa: E402
 
 POLICY = "document-liveness"
@@ -50,23 +46,10 @@ POLICY = "document-liveness"
 def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: int,
             max_requests: int | None = None) -> dict:
     """One case: ``capacity`` in blocks, or as a share of the working set (a float)."""
-    trace = load_trace(trace_path, max_requests=max_requests)
-    prepared = prepare_trace(trace, TraceExpander(block_size))
-    working_set = working_set_blocks(prepared)
-    [num_blocks] = capacities_from_spec([capacity], working_set)
-    runs = {"lru": [], POLICY: [], f"{POLICY}, one heap": []}
-    answers = {}
-    listed_queue = EVICTION_POLICIES[POLICY]
-    try:
-        for _ in range(repeats):
-            for name in runs:
-                EVICTION_POLICIES[POLICY] = (OneHeapDocumentLivenessQueue
-                                             if name.endswith("one heap") else listed_queue)
-                seconds, answer = timed(prepared, num_blocks, name.split(",")[0])
-                runs[name].append(seconds)
-                answers[name] = answer
-    finally:
-        EVICTION_POLICIES[POLICY] = listed_queue
+    prepared, working_set, num_blocks = prepared_case(trace_path, block_size, capacity,
+                                                      max_requests)
+    runs, answers = timed_in_turn(prepared, num_blocks, repeats, EVICTION_POLICIES, POLICY,
+                                  f"{POLICY}, one heap", OneHeapDocumentLivenessQueue)
     best = {name: min(times) for name, times in runs.items()}
     return {
         "trace": trace_path.name,
@@ -84,33 +67,18 @@ def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: i
     }
 
 
+def full_cases(directory: Path) -> list[tuple]:
+    """The shared trace at the same KV size (2 M tokens) at both block sizes, where its
+    LRU->Belady gap is widest; a synthetic mixture at 10 % of its working set; and chat,
+    whose requests are small, in a pool that holds half of its working set: many free
+    groups at every refit."""
+    return [(SHARED_TRACE, 512, 4000, None), (SHARED_TRACE, 16, 128_000, None),
+            (synth(directory, "mixture", 5000, "mooncake"), 16, 0.1, None),
+            (synth(directory, "chat", 5000, "mooncake"), 16, 0.5, None)]
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=positive_int, default=2,
-                        help="replays of each queue per case, least time kept (default 2)")
-    parser.add_argument("--quick", action="store_true",
-                        help="the shared trace's first 1,000 requests only")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as directory:
-        if args.quick:
-            cases = [(SHARED_TRACE, 512, 0.1, 1000), (SHARED_TRACE, 16, 0.1, 1000)]
-        else:
-            # The shared trace at the same KV size (2 M tokens) at both block sizes, where
-            # its LRU->Belady gap is widest; synthetic mixture traffic at 10 % of its
-            # working set; and chat, whose requests are small, in a pool that holds half
-            # of its working set: many free groups at every refit.
-            cases = [(SHARED_TRACE, 512, 4000, None), (SHARED_TRACE, 16, 128_000, None),
-                     (synth(Path(directory), "mixture", 5000, "mooncake"), 16, 0.1, None),
-                     (synth(Path(directory), "chat", 5000, "mooncake"), 16, 0.5, None)]
-        results = [measure(path, block_size, capacity, args.repeats, max_requests)
-                   for path, block_size, capacity, max_requests in cases]
-    json.dump({
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
-        "repeats": args.repeats,
-        "cases": results,
-    }, sys.stdout, indent=1)
-    print()
-    return 0 if all(case["same_answers"] for case in results) else 1
+    return run_cases(" ".join(__doc__.split("\n\n")[0].split()), full_cases, measure)
 
 
 if __name__ == "__main__":

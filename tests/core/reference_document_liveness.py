@@ -51,14 +51,7 @@ class PlainLoopModel(DocumentLivenessModel):
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
         classes = self._state_classes
-        first_bin = starts[0] // width
-        origin = first_bin * width
-        num_bins = now // width - first_bin + 1
-        # Start from the previous fit's rates where its bins overlap, else its last one.
-        previous = self._bin_rates
-        rates = [previous[j - self._first_bin]
-                 if 0 <= j - self._first_bin < len(previous) else previous[-1]
-                 for j in range(first_bin, first_bin + num_bins)]
+        first_bin, origin, num_bins, rates = self._fit_window()
         leaf_p = self._leaf_p
         start_offsets = [start - origin for start in starts]
         end_offsets = [(at if at >= 0 else now) - origin for at in continued_at]
@@ -112,14 +105,4 @@ class PlainLoopModel(DocumentLivenessModel):
                 exposure[offset // width] += alive_count
             rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
                      for j in range(num_bins)]
-        self._leaf_p = leaf_p
-        self.overall_p = overall
-        self.num_fits += 1
-        self._first_bin = first_bin
-        self._bin_rates = rates
-        # The latest bin once it is at least half full, else the one before.
-        elapsed_in_last = now - (now // width) * width
-        latest = num_bins - 1 if elapsed_in_last >= width / 2 or num_bins == 1 else num_bins - 2
-        self.rate = rates[latest]
-        if self.follow_wait_shape:
-            self.wait_shape = self._ended_wait_shape()
+        self._adopt_fit(leaf_p, overall, first_bin, rates)

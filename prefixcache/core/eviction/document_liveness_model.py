@@ -272,16 +272,9 @@ class DocumentLivenessModel:
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
         classes = self._state_classes
-        first_bin = starts[0] // width
-        origin = first_bin * width
-        num_bins = now // width - first_bin + 1
+        first_bin, origin, num_bins, rates = self._fit_window()
         last_bin = num_bins - 1
         span = now - origin + 1  # the releases the states span, from offset 0
-        # Start from the previous fit's rates where its bins overlap, else its last one.
-        previous = self._bin_rates
-        rates = [previous[j - self._first_bin]
-                 if 0 <= j - self._first_bin < len(previous) else previous[-1]
-                 for j in range(first_bin, first_bin + num_bins)]
         leaf_p = self._leaf_p
         start_offsets = [start - origin for start in starts]
         end_offsets = [(at if at >= 0 else now) - origin for at in continued_at]
@@ -356,12 +349,33 @@ class DocumentLivenessModel:
                 offset = bin_end
             rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
                      for j in range(num_bins)]
+        self._adopt_fit(leaf_p, overall, first_bin, rates)
+
+    def _fit_window(self) -> tuple[int, int, int, list[float]]:
+        """The bins a fit spans: its first bin, that bin's first release, the number of
+        bins, and the rates to start from (the previous fit's where its bins overlap,
+        else its last one)."""
+        width = self.hazard_bin
+        first_bin = self._state_start[0] // width
+        num_bins = self.now // width - first_bin + 1
+        previous = self._bin_rates
+        rates = [previous[j - self._first_bin]
+                 if 0 <= j - self._first_bin < len(previous) else previous[-1]
+                 for j in range(first_bin, first_bin + num_bins)]
+        return first_bin, first_bin * width, num_bins, rates
+
+    def _adopt_fit(self, leaf_p: list[float], overall: float, first_bin: int,
+                   rates: list[float]) -> None:
+        """Make a fit's estimates the current ones: ``p`` per finest class, the overall
+        ``p``, the rates per bin from ``first_bin`` on, and from them the rate and the
+        wait's shape the clock follows."""
         self._leaf_p = leaf_p
         self.overall_p = overall
         self.num_fits += 1
         self._first_bin = first_bin
         self._bin_rates = rates
         # The latest bin once it is at least half full, else the one before.
+        now, width, num_bins = self.now, self.hazard_bin, len(rates)
         elapsed_in_last = now - (now // width) * width
         latest = num_bins - 1 if elapsed_in_last >= width / 2 or num_bins == 1 else num_bins - 2
         self.rate = rates[latest]
