@@ -77,6 +77,22 @@ def timed_in_turn(prepared, num_blocks: int, repeats: int, registry: dict, polic
     return runs, answers
 
 
+def case_figures(trace_path: Path, prepared: PreparedTrace, num_blocks: int,
+                 working_set: int, runs: dict[str, list[float]]) -> tuple[dict, dict]:
+    """What every replay-speed case reports about itself and its times, and each
+    label's least time."""
+    best = {name: min(times) for name, times in runs.items()}
+    return {
+        "trace": trace_path.name,
+        "num_requests": len(prepared.requests),
+        "block_size": prepared.expander.block_size,
+        "num_blocks": num_blocks,
+        "working_set_blocks": working_set,
+        "seconds": {name: round(value, 2) for name, value in best.items()},
+        "all_seconds": {name: [round(t, 2) for t in times] for name, times in runs.items()},
+    }, best
+
+
 def prepared_case(trace_path: Path, block_size: int, capacity: int | float,
                   max_requests: int | None) -> tuple[PreparedTrace, int, int]:
     """A case's trace prepared once, its working set and its capacity in blocks
@@ -96,16 +112,10 @@ def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: i
     runs, answers = timed_in_turn(prepared, num_blocks, repeats,
                                   replay_module.OFFLINE_POLICIES, "belady",
                                   "belady, per block", PerBlockBeladyQueue)
-    best = {name: min(times) for name, times in runs.items()}
+    figures, best = case_figures(trace_path, prepared, num_blocks, working_set, runs)
     return {
-        "trace": trace_path.name,
-        "num_requests": len(prepared.requests),
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "working_set_blocks": working_set,
+        **figures,
         "block_references": prepared.block_hashes.num_references,
-        "seconds": {name: round(value, 2) for name, value in best.items()},
-        "all_seconds": {name: [round(t, 2) for t in times] for name, times in runs.items()},
         "belady_over_lru": round(best["belady"] / best["lru"], 2),
         "per_block_over_runs": round(best["belady, per block"] / best["belady"], 2),
         "lru_hit_tokens": answers["lru"][0],

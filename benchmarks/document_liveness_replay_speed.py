@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.belady_replay_speed import (  # noqa: E402
     SHARED_TRACE,
+    case_figures,
     prepared_case,
     run_cases,
     timed_in_turn,
@@ -50,15 +51,9 @@ def measure(trace_path: Path, block_size: int, capacity: int | float, repeats: i
                                                       max_requests)
     runs, answers = timed_in_turn(prepared, num_blocks, repeats, EVICTION_POLICIES, POLICY,
                                   f"{POLICY}, one heap", OneHeapDocumentLivenessQueue)
-    best = {name: min(times) for name, times in runs.items()}
+    figures, best = case_figures(trace_path, prepared, num_blocks, working_set, runs)
     return {
-        "trace": trace_path.name,
-        "num_requests": len(prepared.requests),
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "working_set_blocks": working_set,
-        "seconds": {name: round(value, 2) for name, value in best.items()},
-        "all_seconds": {name: [round(t, 2) for t in times] for name, times in runs.items()},
+        **figures,
         "over_lru": round(best[POLICY] / best["lru"], 2),
         "one_heap_over_lists": round(best[f"{POLICY}, one heap"] / best[POLICY], 2),
         "lru_hit_tokens": answers["lru"][0],
