@@ -1,12 +1,24 @@
-"""The package's one C extension: adaptive's shadow caches
-(prefixcache/core/eviction/shadow.py says why). Everything else is in pyproject.toml; this
-file exists because setuptools declares extensions in pyproject.toml only experimentally.
+"""The package's C extensions: adaptive's shadow caches (prefixcache/core/eviction/shadow.py
+says why) and document-liveness's fit (document_liveness_model.py). Everything else is in
+pyproject.toml; this file exists because setuptools declares extensions in pyproject.toml
+only experimentally.
 
-It is optional: without a C compiler (or Python's headers) the package installs anyway and
-uses the Python shadows, which make the same decisions at a higher cost.
+Both are optional: without a C compiler (or Python's headers) the package installs anyway
+and uses the Python code, which makes the same decisions at a higher cost.
 """
+
+import sys
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("prefixcache.core.eviction._shadow_native",
-                             ["prefixcache/core/eviction/_shadow_native.c"], optional=True)])
+# The fit must give Python's results to the last bit: no fused multiply-adds (GCC and
+# Clang contract a * b + c into one where the target has them).
+NO_FMA = [] if sys.platform == "win32" else ["-ffp-contract=off"]
+
+setup(ext_modules=[
+    Extension("prefixcache.core.eviction._shadow_native",
+              ["prefixcache/core/eviction/_shadow_native.c"], optional=True),
+    Extension("prefixcache.core.eviction._liveness_fit_native",
+              ["prefixcache/core/eviction/_liveness_fit_native.c"], optional=True,
+              extra_compile_args=NO_FMA),
+])

@@ -6,8 +6,8 @@ keeps groups in lists, one per (class, depth class), and keys only the lists' he
 must take blocks in exactly this order.
 
 The model's fit: plain loops over the states and the releases in every EM iteration. The
-real fit computes what stays the same between iterations once; it must give exactly the
-same estimates.
+real fit computes what stays the same between iterations once (in C where it is built);
+it must give exactly the same estimates.
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ class PlainLoopModel(DocumentLivenessModel):
                                      - _cumulative(end, rates, at_bin_start, width))
                 weights.append(alive / max(alive + 1.0 - p, 1e-12))
             # M: p per class, each shrunk towards its parent's.
-            overall = (sum(weights) + 1.0) / (len(weights) + 2.0)
+            total = 0.0  # not sum(): it compensates rounding since Python 3.12
+            for weight in weights:
+                total += weight
+            overall = (total + 1.0) / (len(weights) + 2.0)
             estimates: list[list[float]] = []
             for level in range(3):
                 successes = [0.0] * num_classes[level]

@@ -170,14 +170,29 @@ def test_the_clock_follows_the_fitted_rate_until_enough_waits_have_ended():
     assert model.wait_shape > 1.0
 
 
+def python_fit_model(**knobs) -> DocumentLivenessModel:
+    """The model with its fit in Python even where the C one is built."""
+    model = DocumentLivenessModel(**knobs)
+    model.native_fit = None
+    return model
+
+
+#: Every way the fit is computed, each held to the plain loops: in Python and in C.
+FITS = [pytest.param(python_fit_model, id="python"),
+        pytest.param(DocumentLivenessModel, id="c", marks=pytest.mark.skipif(
+            DocumentLivenessModel.native_fit is None, reason="the package was built without "
+            "a C compiler (test_native_extensions.py says whether that is expected)"))]
+
+
+@pytest.mark.parametrize("make_model", FITS)
 @pytest.mark.parametrize("seed", range(4))
-def test_the_fit_gives_exactly_what_plain_loops_give(seed):
+def test_the_fit_gives_exactly_what_plain_loops_give(seed, make_model):
     """Documents of several kinds asked about at random, with states cut back, bins of
     several widths and refits every few requests: every estimate equal to the last bit."""
     rng = random.Random(seed)
     knobs = {"max_states": rng.choice([40, 5_000]), "refit_every": rng.choice([3, 25]),
              "hazard_bin": rng.choice([7, 200])}
-    models = [DocumentLivenessModel(**knobs), PlainLoopModel(**knobs)]
+    models = [make_model(**knobs), PlainLoopModel(**knobs)]
     documents: list[list[DocumentHistory]] = [[], []]
     for _ in range(1500):
         index = rng.randrange(len(documents[0])) if documents[0] and rng.random() < 0.6 else None
@@ -198,6 +213,38 @@ def test_the_fit_gives_exactly_what_plain_loops_give(seed):
     assert fast._leaf_p == plain._leaf_p and fast._bin_rates == plain._bin_rates
     assert (fast.rate, fast.overall_p, fast.clock) == (plain.rate, plain.overall_p,
                                                        plain.clock)
+
+
+def test_the_model_fits_in_c_wherever_the_c_fit_is_built():
+    try:
+        from prefixcache.core.eviction._liveness_fit_native import fit
+    except ImportError:
+        assert DocumentLivenessModel.native_fit is None
+    else:
+        assert DocumentLivenessModel.native_fit is fit
+
+
+@pytest.mark.skipif(DocumentLivenessModel.native_fit is None, reason="no C fit built")
+@pytest.mark.parametrize("broken", ["classes", "parent", "class id", "window", "leaves"])
+def test_the_c_fit_refuses_inconsistent_inputs_instead_of_reading_past_them(broken):
+    fit = DocumentLivenessModel.native_fit
+    inputs = {"starts": [0, 1, 2], "continued_at": [1, -1, -1],
+              "classes": [(0, 0, 0), (0, 0, 1), (0, 1, 2)],
+              "parents": [[-1], [0, 0], [0, 0, 1]], "leaf_p": [0.5, 0.5, 0.5],
+              "rates": [0.1], "now": 3, "origin": 0, "width": 200}
+    fit(*inputs.values(), 8.0, 0.5, 4)  # consistent: fits
+    if broken == "classes":
+        inputs["classes"] = inputs["classes"][:2]
+    elif broken == "parent":
+        inputs["parents"] = [[-1], [0, 5], [0, 0, 1]]
+    elif broken == "class id":
+        inputs["classes"] = [(0, 0, 0), (0, 0, 3), (0, 1, 2)]
+    elif broken == "window":
+        inputs["origin"] = 1  # the first state starts before it
+    else:
+        inputs["leaf_p"] = [0.5, 0.5]
+    with pytest.raises(ValueError):
+        fit(*inputs.values(), 8.0, 0.5, 4)
 
 
 def test_memory_stays_bounded():

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import gc
 import random
-import shutil
 import sys
-import sysconfig
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +23,7 @@ from prefixcache.core.eviction.shadow import (
 
 needs_native = pytest.mark.skipif(
     not NATIVE_SHADOWS, reason="the package was built without a C compiler "
-    "(test_the_c_shadows_are_built_wherever_a_compiler_is says whether that is expected)")
+    "(test_native_extensions.py says whether that is expected)")
 #: Both implementations of the shadow: every behaviour test runs on each.
 IMPLEMENTATIONS = [pytest.param(PythonShadowSegmentedLRU, id="python"),
                    pytest.param(NativeShadowSegmentedLRU, id="c", marks=needs_native)]
@@ -254,28 +251,3 @@ def test_adaptive_uses_the_c_shadows_when_they_are_built():
     assert AdaptiveFreeBlockQueue.shadow_type is expected
 
 
-def test_the_c_shadows_are_built_wherever_a_compiler_is():
-    """The extension is optional so that the package installs without a compiler; where
-    there is one, a failed build is a bug (the C shadows would silently not be used)."""
-    compiler = (sysconfig.get_config_var("CC") or "").split()
-    if not compiler or shutil.which(compiler[0]) is None:
-        pytest.skip("no C compiler here: the Python shadows are the ones expected")
-    headers = Path(sysconfig.get_path("include"), "Python.h")
-    if not headers.exists():
-        pytest.skip(f"no Python headers ({headers}): the Python shadows are the ones expected")
-    assert NATIVE_SHADOWS, ("the C shadows did not build: reinstall with `pip install -e .` "
-                            "and read the compiler's errors")
-
-
-@needs_native
-def test_the_c_shadows_loaded_are_built_from_the_source_next_to_them():
-    """An editable install compiles the C file once: after an edit, the tests would keep
-    running the old build unless it is rebuilt."""
-    from prefixcache.core.eviction import _shadow_native
-
-    library = Path(_shadow_native.__file__)
-    source = library.parent / "_shadow_native.c"
-    if not source.exists():
-        pytest.skip("installed without its source: nothing to compare the build with")
-    assert library.stat().st_mtime >= source.stat().st_mtime, (
-        f"{library.name} is older than {source.name}: rebuild it with `pip install -e .`")

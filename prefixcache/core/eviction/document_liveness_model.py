@@ -29,7 +29,9 @@ finished requests, over at most the last ``max_states`` states (cut back to half
 full): a state that continued has weight 1; one still waiting counts with its posterior
 chance of being alive, ``p·S / (p·S + 1 - p)`` with ``S = exp(-(H(now) - H(start)))``;
 the rate per bin is continuations over alive exposure; the shape is taken after each fit.
-Plain Python, as the whole core.
+The fit runs in C where the package was built with a compiler (``_liveness_fit_native.c``:
+it runs over every state kept, several passes, every few requests), in Python otherwise,
+with the same estimates to the last bit; the rest is plain Python, as the whole core.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ import math
 import statistics
 
 from prefixcache.core.hashing import BlockHash
+
+try:
+    from prefixcache.core.eviction._liveness_fit_native import fit as native_fit
+except ImportError:  # built without a C compiler: the Python fit gives the same estimates
+    native_fit = None
 
 #: Ended waits the clock needs before it follows their shape: fewer say little about it.
 MIN_ENDED_WAITS = 20
@@ -92,6 +99,9 @@ class DocumentLivenessModel:
     tell when estimates moved; ``rate`` is the latest fitted rate, ``wait_shape`` the
     factor the clock applies to it (1 until it has :data:`MIN_ENDED_WAITS` ended waits).
     """
+
+    #: The fit in C (None: in Python; the same estimates either way).
+    native_fit = staticmethod(native_fit) if native_fit is not None else None
 
     def __init__(self, *, refit_every: int = 25, em_iterations: int = 4,
                  prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
@@ -260,7 +270,24 @@ class DocumentLivenessModel:
     # -- fitting --------------------------------------------------------------------------
 
     def _fit(self) -> None:
-        """Refit ``p`` per class and the rate per bin by EM over the states kept.
+        """Refit ``p`` per class and the rate per bin by EM over the states kept: in C
+        where the package was built with a compiler (``native_fit``, from
+        ``_liveness_fit_native.c``), else in Python; the estimates are the same to the
+        last bit either way."""
+        first_bin, origin, _, rates = self._fit_window()
+        if self.native_fit is None:
+            leaf_p, overall, rates = self._fit_in_python(origin, rates)
+        else:
+            leaf_p, overall, rates = self.native_fit(
+                self._state_start, self._state_continued_at, self._state_classes,
+                self._class_parents, self._leaf_p, rates, self.now, origin,
+                self.hazard_bin, self.prior_weight, self.overall_p, self.em_iterations)
+        self._adopt_fit(leaf_p, overall, first_bin, rates)
+
+    def _fit_in_python(self, origin: int, rates: list[float]
+                       ) -> tuple[list[float], float, list[float]]:
+        """The EM fit from the rates per bin from ``origin``'s bin on: ``p`` per finest
+        class, the overall ``p`` and the rates.
 
         Plain Python, as the whole core (no numpy): one pass over the states and one over
         the releases they span per iteration. What does not change between iterations
@@ -272,7 +299,7 @@ class DocumentLivenessModel:
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
         classes = self._state_classes
-        first_bin, origin, num_bins, rates = self._fit_window()
+        num_bins = len(rates)
         last_bin = num_bins - 1
         span = now - origin + 1  # the releases the states span, from offset 0
         leaf_p = self._leaf_p
@@ -318,7 +345,11 @@ class DocumentLivenessModel:
                                 - (at_bin_start[end_bin] + rates[end_bin] * end_in))
                 weights[index] = alive / max(alive + 1.0 - p, 1e-12)
             # M: p per class, each shrunk towards its parent's.
-            overall = (sum(weights) + 1.0) / (len(weights) + 2.0)
+            # Summed left to right: sum() compensates rounding since Python 3.12.
+            total = 0.0
+            for weight in weights:
+                total += weight
+            overall = (total + 1.0) / (len(weights) + 2.0)
             estimates: list[list[float]] = []
             for level in range(3):
                 successes = [0.0] * num_classes[level]
@@ -349,7 +380,7 @@ class DocumentLivenessModel:
                 offset = bin_end
             rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
                      for j in range(num_bins)]
-        self._adopt_fit(leaf_p, overall, first_bin, rates)
+        return leaf_p, overall, rates
 
     def _fit_window(self) -> tuple[int, int, int, list[float]]:
         """The bins a fit spans: its first bin, that bin's first release, the number of
