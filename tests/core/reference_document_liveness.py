@@ -5,18 +5,26 @@ of them gets its key again from the estimates of that moment, O(groups). The rea
 keeps groups in lists, one per (class, depth class), and keys only the lists' heads; it
 must take blocks in exactly this order.
 
-The model's fit: plain loops over the states and the releases in every EM iteration. The
-real fit computes what stays the same between iterations once (in C where it is built);
-it must give exactly the same estimates.
+The model's fit: plain loops over the states and the releases in every EM iteration, and
+the wait's shape from every kept state's wait. The real fit computes what stays the same
+between iterations once (in C where it is built), keeps the ended waits in order as they
+end, and finds what a next request shares by a binary search; it must give exactly the
+same estimates.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import statistics
 
 from prefixcache.core.eviction.document_liveness import DocumentLivenessFreeBlockQueue
-from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
+from prefixcache.core.eviction.document_liveness_model import (
+    EXPONENTIAL_MEDIAN_OVER_MEAN,
+    MIN_ENDED_WAITS,
+    DocumentLivenessModel,
+)
+from prefixcache.core.hashing import BlockHash
 
 
 class OneHeapDocumentLivenessQueue(DocumentLivenessFreeBlockQueue):
@@ -42,7 +50,8 @@ def _cumulative(offset: int, rates: list[float], at_bin_start: list[float],
 
 
 class PlainLoopModel(DocumentLivenessModel):
-    """The model with its fit written as plain loops."""
+    """The model with its fit written as plain loops, its wait's shape taken from every
+    kept state at every fit, and what a next request shares looked up block by block."""
 
     def _fit(self) -> None:
         """The fit as plain loops over the states and releases, every iteration."""
@@ -109,3 +118,29 @@ class PlainLoopModel(DocumentLivenessModel):
             rates = [(events[j] + 0.5) / (exposure[j] + 1.0) if exposure[j] > 0 else rates[j]
                      for j in range(num_bins)]
         self._adopt_fit(leaf_p, overall, first_bin, rates)
+
+    def _ended_wait_shape(self) -> float:
+        """From the waits of every kept state, collected and ordered at every fit."""
+        waits = [at - start for start, at in zip(self._state_start, self._state_continued_at,
+                                                 strict=True) if at >= 0]
+        if len(waits) < MIN_ENDED_WAITS:
+            return 1.0
+        median = max(statistics.median(waits), 1)
+        mean = sum(waits) / len(waits)
+        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * mean / median)
+
+    def observe_next_request(self, previous_num_blocks: int,
+                             previous_tail_hashes: list[BlockHash],
+                             new_hashes: list[BlockHash], block_size: int) -> None:
+        """Every tail block looked up in a set of the new prompt's hashes."""
+        shared = set(new_hashes)
+        num_tail = len(previous_tail_hashes)
+        deep_is_shared = bool(previous_tail_hashes) and previous_tail_hashes[0] in shared
+        seen, shared_counts = self._depth_seen, self._depth_shared
+        for depth, first, end in self.depth_class_runs(previous_num_blocks, block_size):
+            seen[depth] += end - first
+            for distance in range(first, min(end, num_tail)):
+                if previous_tail_hashes[num_tail - 1 - distance] in shared:
+                    shared_counts[depth] += 1
+            if deep_is_shared and end > num_tail:
+                shared_counts[depth] += end - max(first, num_tail)

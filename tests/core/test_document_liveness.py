@@ -215,6 +215,51 @@ def test_the_fit_gives_exactly_what_plain_loops_give(seed, make_model):
                                                        plain.clock)
 
 
+@pytest.mark.parametrize("max_states", [800, 5_000])
+def test_the_waits_kept_in_order_give_the_shape_all_kept_waits_give(max_states):
+    """Waits far from one rate, and states cut back (their waits leave with them): after
+    every fit the shape, and so the clock, equal the ones from every kept state's wait."""
+    knobs = {"max_states": max_states, "refit_every": 5}
+    kept_in_order, from_scratch = DocumentLivenessModel(**knobs), PlainLoopModel(**knobs)
+    shapes = []
+    for model in (kept_in_order, from_scratch):
+        original = model._adopt_fit
+
+        def adopt_and_note(*fit, model=model, original=original):
+            original(*fit)
+            shapes.append((model, model.wait_shape, model.clock))
+
+        model._adopt_fit = adopt_and_note
+        play_bursty_documents(model, random.Random(5), 1500)
+    ours = [(shape, clock) for model, shape, clock in shapes if model is kept_in_order]
+    reference = [(shape, clock) for model, shape, clock in shapes if model is from_scratch]
+    assert ours == reference and len(ours) == 300
+    assert sum(shape > 1.0 for shape, _ in ours) > 100  # the shape does move the clock
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 512])
+def test_what_a_next_request_shares_is_counted_as_block_by_block_lookups_count_it(block_size):
+    """Prompts that grow, are cut short, or part from the last one at any block, some
+    longer than the tail kept: the shares per depth class equal those of looking every
+    tail block up among the new prompt's hashes."""
+    rng = random.Random(block_size)
+    binary_search, lookups = DocumentLivenessModel(), PlainLoopModel()
+    previous = [bytes([7]) * 8]
+    for _ in range(400):
+        kept = rng.randrange(len(previous) + 1)
+        new = previous[:kept] + [rng.randbytes(8)
+                                 for _ in range(rng.choice([0, 1, 5, 80]))]
+        if not new:
+            continue
+        for model in (binary_search, lookups):
+            model.observe_next_request(len(previous), previous[-KEPT_TAIL_HASHES:], new,
+                                       block_size)
+        previous = new
+    assert binary_search._depth_seen == lookups._depth_seen
+    assert binary_search._depth_shared == lookups._depth_shared
+    assert sum(lookups._depth_shared) > 2 * len(lookups._depth_shared)  # some were shared
+
+
 def test_the_model_fits_in_c_wherever_the_c_fit_is_built():
     try:
         from prefixcache.core.eviction._liveness_fit_native import fit

@@ -36,8 +36,8 @@ with the same estimates to the last bit; the rest is plain Python, as the whole 
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 
 from prefixcache.core.hashing import BlockHash
 
@@ -141,6 +141,10 @@ class DocumentLivenessModel:
         self._state_classes: list[tuple[int, int, int]] = []
         self._state_start: list[int] = []
         self._state_continued_at: list[int] = []  # -1 while waiting
+        # The waits that have ended among the states kept, in order, and their sum: the
+        # wait's shape is taken from them after every fit.
+        self._ended_waits: list[int] = []
+        self._ended_waits_total = 0
         # Rates per bin of `hazard_bin` releases, from bin `_first_bin` on.
         self._first_bin = 0
         self._bin_rates = [initial_rate]
@@ -190,6 +194,9 @@ class DocumentLivenessModel:
         previous = document.state_id - self._first_state_id
         if document.state_id >= 0 and previous >= 0:
             self._state_continued_at[previous] = self.now
+            wait = self.now - self._state_start[previous]
+            bisect.insort(self._ended_waits, wait)
+            self._ended_waits_total += wait
         self._state_classes.append(self._class_id_path(self.class_path(document)))
         self._state_start.append(self.now)
         self._state_continued_at.append(-1)
@@ -197,6 +204,9 @@ class DocumentLivenessModel:
             drop = len(self._state_start) - self.max_states // 2
             del self._state_classes[:drop], self._state_start[:drop]
             del self._state_continued_at[:drop]
+            self._ended_waits = sorted(at - start for start, at in zip(
+                self._state_start, self._state_continued_at, strict=True) if at >= 0)
+            self._ended_waits_total = sum(self._ended_waits)
             self._first_state_id += drop
         if self.now - self._last_fit >= self.refit_every:
             self._fit()
@@ -247,20 +257,33 @@ class DocumentLivenessModel:
         prompt's ``previous_num_blocks`` blocks (of which the hashes of the last ones are
         given), the blocks it shared.
 
-        Hashes chain, so what two prompts share is a common prefix: a block before the
-        given tail is shared exactly when the tail's first block is — unless the prompts
-        part inside that deep stretch, which then counts as not shared."""
-        shared = set(new_hashes)
+        Hashes chain, so what two prompts share is a common prefix: the tail's blocks in
+        it are found by a binary search on the positions the two prompts have in common,
+        and a block before the given tail is shared exactly when the tail's first block is
+        — unless the prompts part inside that deep stretch, which then counts as not
+        shared."""
         num_tail = len(previous_tail_hashes)
-        deep_is_shared = bool(previous_tail_hashes) and previous_tail_hashes[0] in shared
+        tail_start = previous_num_blocks - num_tail  # the tail's first block's position
+        # The tail's first ``num_tail_shared`` blocks are in the common prefix.
+        low, high = 0, num_tail
+        while low < high:
+            middle = (low + high) // 2
+            position = tail_start + middle
+            if (position < len(new_hashes)
+                    and new_hashes[position] == previous_tail_hashes[middle]):
+                low = middle + 1
+            else:
+                high = middle
+        num_tail_shared = low
+        # The tail's block at distance d from the end is shared when d >= this.
+        nearest_shared = num_tail - num_tail_shared
         seen, shared_counts = self._depth_seen, self._depth_shared
         for depth, first, end in self.depth_class_runs(previous_num_blocks, block_size):
             seen[depth] += end - first
-            # The tail's block at distance d from the end is previous_tail_hashes[-1 - d].
-            for distance in range(first, min(end, num_tail)):
-                if previous_tail_hashes[num_tail - 1 - distance] in shared:
-                    shared_counts[depth] += 1
-            if deep_is_shared and end > num_tail:
+            shared_in_tail = min(end, num_tail) - max(first, nearest_shared)
+            if shared_in_tail > 0:
+                shared_counts[depth] += shared_in_tail
+            if num_tail_shared and end > num_tail:
                 shared_counts[depth] += end - max(first, num_tail)
 
     def log_share_reached(self, depth: int) -> float:
@@ -416,13 +439,15 @@ class DocumentLivenessModel:
     def _ended_wait_shape(self) -> float:
         """``ln 2 * mean / median`` of the ended waits among the states kept, at least 1;
         1 while fewer than :data:`MIN_ENDED_WAITS` have ended."""
-        waits = [at - start for start, at in zip(self._state_start, self._state_continued_at,
-                                                 strict=True) if at >= 0]
-        if len(waits) < MIN_ENDED_WAITS:
+        waits = self._ended_waits  # in order
+        num_waits = len(waits)
+        if num_waits < MIN_ENDED_WAITS:
             return 1.0
-        median = max(statistics.median(waits), 1)
-        mean = sum(waits) / len(waits)  # exact: the waits are integers
-        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * mean / median)
+        middle = num_waits // 2
+        # As statistics.median: the middle one, or the mean of the middle two.
+        median = waits[middle] if num_waits % 2 else (waits[middle - 1] + waits[middle]) / 2
+        mean = self._ended_waits_total / num_waits  # exact: the waits are integers
+        return max(1.0, EXPONENTIAL_MEDIAN_OVER_MEAN * mean / max(median, 1))
 
     def class_estimates(self) -> list[dict]:
         """Per middle-level class (after a first request, by tokens it generated; after a
