@@ -16,13 +16,14 @@ For a same-run comparison point, it also times vLLM's hash input encoding (pickl
 encoding. vLLM's whole manager cannot be installed here (no CPU wheel); the issue quotes
 ~500 us per lifecycle for it with sha256 on this machine.
 
-``adaptive`` runs its shadow caches in C when the package was built with a compiler;
-``--python-shadows`` times it with the Python ones instead (the same decisions), which is
-what it costs where the package was installed without one.
+``adaptive`` runs its shadow caches, and ``document-liveness`` its model's fit, in C when
+the package was built with a compiler; ``--python-shadows`` and ``--python-fit`` time them
+with the Python ones instead (the same decisions), which is what they cost where the
+package was installed without one.
 
     python benchmarks/manager_overhead.py [--requests 500] [--repeats 3] [--quick]
         [--policies lru,adaptive,...] [--policy-num-blocks 4096] [--policy-warmup N]
-        [--python-shadows]
+        [--python-shadows] [--python-fit]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from collections import deque
 from prefixcache.arg_types import name_list
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
     PythonShadowSegmentedLRU,
@@ -325,6 +327,9 @@ def run(argv: list[str] | None) -> int:
     parser.add_argument("--python-shadows", action="store_true",
                         help="run adaptive's shadow caches in Python even where the "
                              "package built them in C (the same decisions, more cost)")
+    parser.add_argument("--python-fit", action="store_true",
+                        help="run document-liveness's model fit in Python even where the "
+                             "package built it in C (the same decisions, more cost)")
     args = parser.parse_args(argv)
     if args.requests <= MAX_LIVE:  # the free operation would have no sample to summarise
         parser.error(f"--requests must be at least {MAX_LIVE + 1}: a request is freed "
@@ -354,6 +359,8 @@ def run(argv: list[str] | None) -> int:
     if args.python_shadows:
         AdaptiveFreeBlockQueue.shadow_type = PythonShadowSegmentedLRU
         AdaptiveFreeBlockQueue.sampled_hashes = staticmethod(python_sampled_hashes)
+    if args.python_fit:
+        DocumentLivenessModel.native_fit = None
     prompts = make_prompts(args.requests)
 
     configs = [("sha256", True, False, False)]
@@ -401,7 +408,10 @@ def run(argv: list[str] | None) -> int:
                                      "timed_requests": args.requests,
                                      "adaptive_shadows": ("c" if NATIVE_SHADOWS
                                                           and not args.python_shadows
-                                                          else "python")},
+                                                          else "python"),
+                                     "document_liveness_fit": (
+                                         "c" if DocumentLivenessModel.native_fit is not None
+                                         else "python")},
         "eviction_policies": eviction_policy_comparison(
             make_prompts(args.policy_warmup + args.requests), args.repeats, policies,
             args.policy_warmup, args.policy_num_blocks),
