@@ -60,7 +60,8 @@ class PlainLoopModel(DocumentLivenessModel):
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
         classes = self._state_classes
-        first_bin, origin, num_bins, rates = self._fit_window()
+        first_bin, origin, rates = self._fit_window()
+        num_bins = len(rates)
         leaf_p = self._leaf_p
         start_offsets = [start - origin for start in starts]
         end_offsets = [(at if at >= 0 else now) - origin for at in continued_at]

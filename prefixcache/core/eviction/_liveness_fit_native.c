@@ -87,8 +87,8 @@ PyDoc_STRVAR(fit_doc,
 "DocumentLivenessModel._fit_in_python's EM, to the last bit. starts: each state's\n"
 "start; continued_at: when it continued, or -1; classes: each state's (coarsest, middle,\n"
 "finest) class ids; parents: per level, coarsest first, each class's parent one level\n"
-"up (-1 at the coarsest); leaf_p: p per finest class to start from; rates: per bin, from the bin\n"
-"holding origin; now: the current time; width: releases per bin.");
+"up (-1 at the coarsest); leaf_p: p per finest class to start from; rates: per bin,\n"
+"from the bin holding origin; now: the current time; width: releases per bin.");
 
 static PyObject *
 fit(PyObject *module, PyObject *args)
@@ -153,8 +153,7 @@ fit(PyObject *module, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *path = PyList_GET_ITEM(classes_list, i);
-        if (!PyTuple_Check(path)
-                || PyTuple_GET_SIZE(path) != NUM_LEVELS) {
+        if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != NUM_LEVELS) {
             PyErr_SetString(PyExc_ValueError, "fit: one (coarsest, middle, finest) per state");
             goto done;
         }

@@ -42,9 +42,9 @@ import math
 from prefixcache.core.hashing import BlockHash
 
 try:
-    from prefixcache.core.eviction._liveness_fit_native import fit as native_fit
+    from prefixcache.core.eviction._liveness_fit_native import fit as _c_fit
 except ImportError:  # built without a C compiler: the Python fit gives the same estimates
-    native_fit = None
+    _c_fit = None
 
 #: Ended waits the clock needs before it follows their shape: fewer say little about it.
 MIN_ENDED_WAITS = 20
@@ -101,7 +101,7 @@ class DocumentLivenessModel:
     """
 
     #: The fit in C (None: in Python; the same estimates either way).
-    native_fit = staticmethod(native_fit) if native_fit is not None else None
+    native_fit = staticmethod(_c_fit) if _c_fit is not None else None
 
     def __init__(self, *, refit_every: int = 25, em_iterations: int = 4,
                  prior_weight: float = 8.0, hazard_bin: int = 200, max_count: int = 8,
@@ -297,7 +297,7 @@ class DocumentLivenessModel:
         where the package was built with a compiler (``native_fit``, from
         ``_liveness_fit_native.c``), else in Python; the estimates are the same to the
         last bit either way."""
-        first_bin, origin, _, rates = self._fit_window()
+        first_bin, origin, rates = self._fit_window()
         if self.native_fit is None:
             leaf_p, overall, rates = self._fit_in_python(origin, rates)
         else:
@@ -405,10 +405,10 @@ class DocumentLivenessModel:
                      for j in range(num_bins)]
         return leaf_p, overall, rates
 
-    def _fit_window(self) -> tuple[int, int, int, list[float]]:
-        """The bins a fit spans: its first bin, that bin's first release, the number of
-        bins, and the rates to start from (the previous fit's where its bins overlap,
-        else its last one)."""
+    def _fit_window(self) -> tuple[int, int, list[float]]:
+        """The bins a fit spans: its first bin, that bin's first release, and the rates to
+        start from, one per bin (the previous fit's where its bins overlap, else its last
+        one)."""
         width = self.hazard_bin
         first_bin = self._state_start[0] // width
         num_bins = self.now // width - first_bin + 1
@@ -416,7 +416,7 @@ class DocumentLivenessModel:
         rates = [previous[j - self._first_bin]
                  if 0 <= j - self._first_bin < len(previous) else previous[-1]
                  for j in range(first_bin, first_bin + num_bins)]
-        return first_bin, first_bin * width, num_bins, rates
+        return first_bin, first_bin * width, rates
 
     def _adopt_fit(self, leaf_p: list[float], overall: float, first_bin: int,
                    rates: list[float]) -> None:
