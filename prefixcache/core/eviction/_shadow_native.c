@@ -2,39 +2,28 @@
  *
  * ShadowSegmentedLRU here keeps the contract of PythonShadowSegmentedLRU in shadow.py,
  * which is the reference: the same segments in the same orders, the same hit counts,
- * decision for decision (tests/core/test_shadow_cache.py runs both against one model). It exists for speed: adaptive feeds five shadows on every finished request, and
- * in Python their dictionary operations and the interpreter between them cost more than
- * the rest of the policy. Keys must be exact bytes (block hashes): hashing and comparing
+ * decision for decision (tests/core/test_shadow_cache.py runs both against one model).
+ * It exists for speed: adaptive feeds five shadows on every finished request, and in
+ * Python their dictionary operations and the interpreter between them cost more than the
+ * rest of the policy. Keys must be exact bytes (block hashes): hashing and comparing
  * them runs no Python code, and the type holds no reference that could lead back to it,
  * so it needs no cycle collection. A call made while another is under way on the same
  * shadow (from a low-reuse container's __contains__) raises RuntimeError.
  *
- * Layout: every key held (in a segment or the ghost list) has one entry in an array;
- * entries are linked, by index, into one doubly linked list per segment, head = least
- * recent; an open-addressing table (linear probing, deletion by backward shift) maps a
- * key to its entry. The table's order never matters: only the lists carry order, so the
- * per-process randomized hash of bytes is fine to place keys with.
+ * Layout (_keyed_table.h): every key held (in a segment or the ghost list) has one
+ * entry, linked into one list per segment and one for the ghost, head = least recent.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_keyed_table.h"
 #include <structmember.h>
-#include <string.h>
 
 /* Segments, evicted in this order: low-reuse, probation, protected. Then the ghost list
  * of evicted keys, and PENDING: unlinked, about to rejoin probation. */
 enum { LOW_REUSE = 0, PROBATION = 1, PROTECTED = 2, GHOST = 3, NUM_LISTS = 4, PENDING = 4 };
-#define NONE ((Py_ssize_t)-1) /* no entry: an empty slot, the end of a list */
 
 typedef struct {
-    PyObject *key; /* a bytes object, owned; NULL while the entry is free */
-    Py_hash_t hash;
-    Py_ssize_t prev, next; /* within its list; the free list chains through next */
+    KeyedEntry keyed;
     int list;
 } Entry;
-
-typedef struct {
-    Py_ssize_t head, tail, size;
-} List;
 
 typedef struct {
     PyObject_HEAD
@@ -42,195 +31,52 @@ typedef struct {
     char low_reuse_first; /* a char: T_BOOL's size */
     char busy;            /* inside access: refuse calls that would change the shadow */
     double num_hits;
-    Entry *entries;
-    Py_ssize_t num_entries_allocated, num_entries_used, free_entry;
-    Py_ssize_t *slots; /* entry index or NONE */
-    size_t slot_mask;
-    Py_ssize_t num_keys;
-    List lists[NUM_LISTS];
+    KeyedTable table;
+    KeyedList lists[NUM_LISTS];
 } Shadow;
 
-/* -- lists ---------------------------------------------------------------------------- */
+static inline Entry *
+entry(Shadow *self, Py_ssize_t index)
+{
+    return (Entry *)keyed_entry(&self->table, index);
+}
 
 static void
 list_append(Shadow *self, int list, Py_ssize_t index)
 {
-    List *l = &self->lists[list];
-    Entry *e = &self->entries[index];
-    e->list = list;
-    e->prev = l->tail;
-    e->next = NONE;
-    if (l->tail == NONE)
-        l->head = index;
-    else
-        self->entries[l->tail].next = index;
-    l->tail = index;
-    l->size++;
+    entry(self, index)->list = list;
+    keyed_list_append(&self->table, &self->lists[list], index);
 }
 
 static void
 list_unlink(Shadow *self, Py_ssize_t index)
 {
-    Entry *e = &self->entries[index];
-    List *l = &self->lists[e->list];
-    if (e->prev == NONE)
-        l->head = e->next;
-    else
-        self->entries[e->prev].next = e->next;
-    if (e->next == NONE)
-        l->tail = e->prev;
-    else
-        self->entries[e->next].prev = e->prev;
-    l->size--;
+    Entry *e = entry(self, index);
+    keyed_list_unlink(&self->table, &self->lists[e->list], index);
     e->list = PENDING;
-}
-
-/* -- the key table -------------------------------------------------------------------- */
-
-static int
-table_allocate(Shadow *self, size_t num_slots)
-{
-    Py_ssize_t *slots = PyMem_Malloc(num_slots * sizeof(Py_ssize_t));
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (size_t i = 0; i < num_slots; i++)
-        slots[i] = NONE;
-    PyMem_Free(self->slots);
-    self->slots = slots;
-    self->slot_mask = num_slots - 1;
-    for (Py_ssize_t index = 0; index < self->num_entries_used; index++) {
-        Entry *e = &self->entries[index];
-        if (e->key == NULL)
-            continue;
-        size_t i = (size_t)e->hash & self->slot_mask;
-        while (slots[i] != NONE)
-            i = (i + 1) & self->slot_mask;
-        slots[i] = index;
-    }
-    return 0;
-}
-
-/* Room for one more key: the table at most half full, and a free entry. */
-static int
-make_room(Shadow *self)
-{
-    if ((size_t)(self->num_keys + 1) * 2 > self->slot_mask + 1) {
-        if (self->slot_mask + 1 > PY_SSIZE_T_MAX / 2 / sizeof(Py_ssize_t)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        if (table_allocate(self, (self->slot_mask + 1) * 2) < 0)
-            return -1;
-    }
-    if (self->free_entry == NONE && self->num_entries_used == self->num_entries_allocated) {
-        if (self->num_entries_allocated > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(Entry)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        Py_ssize_t n = self->num_entries_allocated * 2;
-        Entry *entries = PyMem_Realloc(self->entries, n * sizeof(Entry));
-        if (entries == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->entries = entries;
-        self->num_entries_allocated = n;
-    }
-    return 0;
-}
-
-/* The entry holding `key`, or NONE with *slot where it would go. */
-static Py_ssize_t
-find(Shadow *self, PyObject *key, Py_hash_t hash, size_t *slot)
-{
-    Py_ssize_t size = PyBytes_GET_SIZE(key);
-    const char *data = PyBytes_AS_STRING(key);
-    size_t i = (size_t)hash & self->slot_mask;
-    for (;;) {
-        Py_ssize_t index = self->slots[i];
-        if (index == NONE) {
-            *slot = i;
-            return NONE;
-        }
-        Entry *e = &self->entries[index];
-        if (e->key == key
-            || (e->hash == hash && PyBytes_GET_SIZE(e->key) == size
-                && memcmp(PyBytes_AS_STRING(e->key), data, size) == 0))
-            return index;
-        i = (i + 1) & self->slot_mask;
-    }
 }
 
 static void
 insert(Shadow *self, PyObject *key, Py_hash_t hash, size_t slot, int list)
 {
-    Py_ssize_t index = self->free_entry;
-    if (index != NONE)
-        self->free_entry = self->entries[index].next;
-    else
-        index = self->num_entries_used++;
-    Entry *e = &self->entries[index];
-    Py_INCREF(key);
-    e->key = key;
-    e->hash = hash;
-    self->slots[slot] = index;
-    self->num_keys++;
-    list_append(self, list, index);
+    list_append(self, list, keyed_table_insert(&self->table, key, hash, slot));
 }
 
-/* Drop entry `index` (found by the caller): its slot, its place in a list, its key. */
+/* Drop entry `index` (found by the caller): its place in a list, its slot, its key. */
 static void
 delete(Shadow *self, Py_ssize_t index)
 {
-    Entry *e = &self->entries[index];
-    size_t mask = self->slot_mask;
-    size_t i = (size_t)e->hash & mask;
-    while (self->slots[i] != index)
-        i = (i + 1) & mask;
-    /* Backward shift: move later keys of the probe run into the hole, unless the slot
-     * they hash to lies cyclically after the hole (they would become unreachable). */
-    for (;;) {
-        self->slots[i] = NONE;
-        size_t j = i;
-        for (;;) {
-            j = (j + 1) & mask;
-            Py_ssize_t other = self->slots[j];
-            if (other == NONE)
-                goto shifted;
-            size_t home = (size_t)self->entries[other].hash & mask;
-            int home_after_hole = i <= j ? (i < home && home <= j) : (i < home || home <= j);
-            if (!home_after_hole) {
-                self->slots[i] = other;
-                i = j;
-                break;
-            }
-        }
-    }
-shifted:
-    if (e->list != PENDING)
+    if (entry(self, index)->list != PENDING)
         list_unlink(self, index);
-    PyObject *key = e->key;
-    e->key = NULL;
-    e->next = self->free_entry;
-    self->free_entry = index;
-    self->num_keys--;
-    Py_DECREF(key);
+    keyed_table_delete(&self->table, index);
 }
 
 static void
 forget_all(Shadow *self)
 {
-    for (Py_ssize_t index = 0; index < self->num_entries_used; index++)
-        Py_CLEAR(self->entries[index].key);
-    for (size_t i = 0; i <= self->slot_mask; i++)
-        self->slots[i] = NONE;
-    self->num_entries_used = 0;
-    self->free_entry = NONE;
-    self->num_keys = 0;
+    keyed_table_clear(&self->table);
     for (int l = 0; l < NUM_LISTS; l++)
-        self->lists[l] = (List){NONE, NONE, 0};
+        self->lists[l] = KEYED_EMPTY_LIST;
 }
 
 /* -- the type ------------------------------------------------------------------------- */
@@ -241,11 +87,10 @@ Shadow_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw
     Shadow *self = (Shadow *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    /* tp_alloc zeroes the rest; the lists and free list start empty, and with no arrays
-     * the object refuses use until __init__ succeeds (check_ready). */
-    self->free_entry = NONE;
+    /* tp_alloc zeroes the rest; the lists start empty, and with no table the object
+     * refuses use until __init__ succeeds (check_ready). */
     for (int l = 0; l < NUM_LISTS; l++)
-        self->lists[l] = (List){NONE, NONE, 0};
+        self->lists[l] = KEYED_EMPTY_LIST;
     return (PyObject *)self;
 }
 
@@ -278,22 +123,8 @@ Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_OverflowError, "capacity * ghost_factor is too large");
         return -1;
     }
-    if (self->entries == NULL) {
-        Py_ssize_t num_entries = 64;
-        Entry *entries = PyMem_Malloc(num_entries * sizeof(Entry));
-        if (entries == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->slot_mask = 0; /* table_allocate re-places entries in use: none yet */
-        self->num_entries_used = 0;
-        if (table_allocate(self, 128) < 0) {
-            PyMem_Free(entries);
-            return -1;
-        }
-        self->entries = entries;
-        self->num_entries_allocated = num_entries;
-    }
+    if (self->table.entries == NULL && keyed_table_init(&self->table, sizeof(Entry)) < 0)
+        return -1;
     forget_all(self);
     self->capacity = capacity;
     self->max_ghost = ghost_factor * capacity;
@@ -307,12 +138,9 @@ Shadow_init(Shadow *self, PyObject *args, PyObject *kwds)
 static void
 Shadow_dealloc(Shadow *self)
 {
-    if (self->entries != NULL) {
-        for (Py_ssize_t index = 0; index < self->num_entries_used; index++)
-            Py_CLEAR(self->entries[index].key);
-    }
-    PyMem_Free(self->entries);
-    PyMem_Free(self->slots);
+    if (self->table.entries != NULL)
+        keyed_table_clear(&self->table);
+    keyed_table_free(&self->table);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -320,7 +148,7 @@ Shadow_dealloc(Shadow *self)
 static int
 check_ready(Shadow *self)
 {
-    if (self->entries == NULL || self->slots == NULL) {
+    if (self->table.entries == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "ShadowSegmentedLRU.__init__ did not succeed");
         return -1;
     }
@@ -380,12 +208,12 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
             break;
         }
         Py_hash_t hash = PyObject_Hash(key);
-        if (hash == -1 || make_room(self) < 0) {
+        if (hash == -1 || keyed_table_make_room(&self->table) < 0) {
             failed = 1;
             break;
         }
         size_t slot;
-        Py_ssize_t index = find(self, key, hash, &slot);
+        Py_ssize_t index = keyed_table_find(&self->table, key, hash, &slot);
         if (index == NONE) {
             int marked = 0;
             if (marks != NULL) {
@@ -398,7 +226,7 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
             insert(self, key, hash, slot, marked ? LOW_REUSE : PROBATION);
             continue;
         }
-        int list = self->entries[index].list;
+        int list = entry(self, index)->list;
         if (list == PENDING)
             continue; /* a repeat within the request: already placed */
         if (list != GHOST)
@@ -414,7 +242,7 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
     PyMem_Free(promoted);
     if (num_hits && !failed)
         self->num_hits += (double)num_hits;
-    List *lists = self->lists;
+    KeyedList *lists = self->lists;
     while (lists[PROTECTED].size > self->max_protected) {
         Py_ssize_t index = lists[PROTECTED].head;
         list_unlink(self, index);
@@ -462,11 +290,11 @@ Shadow_get_list(Shadow *self, void *closure)
 {
     int list = (int)(Py_ssize_t)closure;
     PyObject *keys = PyList_New(0);
-    if (keys == NULL || self->entries == NULL)
+    if (keys == NULL || self->table.entries == NULL)
         return keys;
     for (Py_ssize_t index = self->lists[list].head; index != NONE;
-         index = self->entries[index].next) {
-        if (PyList_Append(keys, self->entries[index].key) < 0) {
+         index = entry(self, index)->keyed.next) {
+        if (PyList_Append(keys, entry(self, index)->keyed.key) < 0) {
             Py_DECREF(keys);
             return NULL;
         }
