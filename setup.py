@@ -1,5 +1,6 @@
 """The package's C extensions: adaptive's shadow caches (prefixcache/core/eviction/shadow.py
-says why) and document-liveness's fit (document_liveness_model.py). Everything else is in
+says why) and per-block bookkeeping (adaptive_bookkeeping.py), and document-liveness's fit
+(document_liveness_model.py). Everything else is in
 pyproject.toml; this file exists because setuptools declares extensions in pyproject.toml
 only experimentally.
 
@@ -17,7 +18,11 @@ NO_FMA = [] if sys.platform == "win32" else ["-ffp-contract=off"]
 
 setup(ext_modules=[
     Extension("prefixcache.core.eviction._shadow_native",
-              ["prefixcache/core/eviction/_shadow_native.c"], optional=True),
+              ["prefixcache/core/eviction/_shadow_native.c"],
+              depends=["prefixcache/core/eviction/_keyed_table.h"], optional=True),
+    Extension("prefixcache.core.eviction._adaptive_bookkeeping_native",
+              ["prefixcache/core/eviction/_adaptive_bookkeeping_native.c"],
+              depends=["prefixcache/core/eviction/_keyed_table.h"], optional=True),
     Extension("prefixcache.core.eviction._liveness_fit_native",
               ["prefixcache/core/eviction/_liveness_fit_native.c"], optional=True,
               extra_compile_args=NO_FMA),

@@ -16,14 +16,15 @@ For a same-run comparison point, it also times vLLM's hash input encoding (pickl
 encoding. vLLM's whole manager cannot be installed here (no CPU wheel); the issue quotes
 ~500 us per lifecycle for it with sha256 on this machine.
 
-``adaptive`` runs its shadow caches, and ``document-liveness`` its model's fit, in C when
-the package was built with a compiler; ``--python-shadows`` and ``--python-fit`` time them
-with the Python ones instead (the same decisions), which is what they cost where the
-package was installed without one.
+``adaptive`` runs its shadow caches and its per-block bookkeeping, and
+``document-liveness`` its model's fit, in C when the package was built with a compiler;
+``--python-shadows``, ``--python-bookkeeping`` and ``--python-fit`` time them with the
+Python ones instead (the same decisions), which is what they cost where the package was
+installed without one.
 
     python benchmarks/manager_overhead.py [--requests 500] [--repeats 3] [--quick]
         [--policies lru,adaptive,...] [--policy-num-blocks 4096] [--policy-warmup N]
-        [--python-shadows] [--python-fit]
+        [--python-shadows] [--python-bookkeeping] [--python-fit]
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ from collections import deque
 from prefixcache.arg_types import name_list
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    NATIVE_BOOKKEEPING,
+    PythonGhostList,
+    python_note_taken,
+    python_sort_released,
+)
 from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
@@ -327,6 +334,10 @@ def run(argv: list[str] | None) -> int:
     parser.add_argument("--python-shadows", action="store_true",
                         help="run adaptive's shadow caches in Python even where the "
                              "package built them in C (the same decisions, more cost)")
+    parser.add_argument("--python-bookkeeping", action="store_true",
+                        help="run adaptive's ghost list and per-block bookkeeping in Python "
+                             "even where the package built them in C (the same decisions, "
+                             "more cost)")
     parser.add_argument("--python-fit", action="store_true",
                         help="run document-liveness's model fit in Python even where the "
                              "package built it in C (the same decisions, more cost)")
@@ -359,6 +370,10 @@ def run(argv: list[str] | None) -> int:
     if args.python_shadows:
         AdaptiveFreeBlockQueue.shadow_type = PythonShadowSegmentedLRU
         AdaptiveFreeBlockQueue.sampled_hashes = staticmethod(python_sampled_hashes)
+    if args.python_bookkeeping:
+        AdaptiveFreeBlockQueue.ghost_list_type = PythonGhostList
+        AdaptiveFreeBlockQueue.note_taken = staticmethod(python_note_taken)
+        AdaptiveFreeBlockQueue.sort_released = staticmethod(python_sort_released)
     if args.python_fit:
         DocumentLivenessModel.native_fit = None
     prompts = make_prompts(args.requests)
@@ -409,6 +424,9 @@ def run(argv: list[str] | None) -> int:
                                      "adaptive_shadows": ("c" if NATIVE_SHADOWS
                                                           and not args.python_shadows
                                                           else "python"),
+                                     "adaptive_bookkeeping": (
+                                         "c" if NATIVE_BOOKKEEPING
+                                         and not args.python_bookkeeping else "python"),
                                      "document_liveness_fit": (
                                          "c" if DocumentLivenessModel.native_fit is not None
                                          else "python")},

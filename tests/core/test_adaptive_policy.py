@@ -12,6 +12,12 @@ from prefixcache.core.eviction.adaptive import (
     AdaptiveFreeBlockQueue,
     Candidate,
 )
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    NATIVE_BOOKKEEPING,
+    PythonGhostList,
+    python_note_taken,
+    python_sort_released,
+)
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
     PythonShadowSegmentedLRU,
@@ -122,10 +128,29 @@ def test_never_far_below_lru_on_small_generated_traces(family, tmp_path):
         assert adaptive >= lru - 0.002, (num_blocks, lru, adaptive)
 
 
-@pytest.mark.skipif(not NATIVE_SHADOWS, reason="built without a C compiler")
-def test_the_c_shadows_change_no_decision(tmp_path, monkeypatch):
-    """A replay under the C shadows and sample is the replay under the Python ones, hit
-    for hit, choice for choice (small shadows, so that the sample filters hashes)."""
+def run_in_python(patch: pytest.MonkeyPatch, parts: str) -> None:
+    """Make ``adaptive`` run its shadows and sample, or its bookkeeping, in Python."""
+    if parts == "shadows":
+        patch.setattr(AdaptiveFreeBlockQueue, "shadow_type", PythonShadowSegmentedLRU)
+        patch.setattr(AdaptiveFreeBlockQueue, "sampled_hashes",
+                      staticmethod(python_sampled_hashes))
+    else:
+        patch.setattr(AdaptiveFreeBlockQueue, "ghost_list_type", PythonGhostList)
+        patch.setattr(AdaptiveFreeBlockQueue, "note_taken", staticmethod(python_note_taken))
+        patch.setattr(AdaptiveFreeBlockQueue, "sort_released",
+                      staticmethod(python_sort_released))
+
+
+@pytest.mark.parametrize("parts", [
+    pytest.param("shadows", marks=pytest.mark.skipif(
+        not NATIVE_SHADOWS, reason="built without a C compiler")),
+    pytest.param("bookkeeping", marks=pytest.mark.skipif(
+        not NATIVE_BOOKKEEPING, reason="built without a C compiler"))])
+def test_the_c_parts_change_no_decision(tmp_path, monkeypatch, parts):
+    """A replay under the C shadows and sample, or the C bookkeeping, is the replay under
+    the Python ones, hit for hit, choice for choice (small shadows, so that the sample
+    filters hashes; pools small enough that recomputed content is found in the ghost
+    list, within the reach followed and beyond it)."""
     path = tmp_path / "trace.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests("mixture", 3, 400), handle, "mooncake", 3)
@@ -133,11 +158,8 @@ def test_the_c_shadows_change_no_decision(tmp_path, monkeypatch):
     monkeypatch.setattr(AdaptiveFreeBlockQueue, "shadow_entries", 24)
     for num_blocks in (60, 240):
         native = replay(prepared, ReplayConfig(num_blocks, "adaptive"))
-        with monkeypatch.context() as python_shadows:
-            python_shadows.setattr(AdaptiveFreeBlockQueue, "shadow_type",
-                                   PythonShadowSegmentedLRU)
-            python_shadows.setattr(AdaptiveFreeBlockQueue, "sampled_hashes",
-                                   staticmethod(python_sampled_hashes))
+        with monkeypatch.context() as python_parts:
+            run_in_python(python_parts, parts)
             python = replay(prepared, ReplayConfig(num_blocks, "adaptive"))
         assert native.num_hit_tokens == python.num_hit_tokens > 0
         assert native.num_evictions == python.num_evictions > 0

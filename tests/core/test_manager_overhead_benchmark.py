@@ -25,6 +25,7 @@ from benchmarks.manager_overhead import (
     run_workload,
 )
 from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.adaptive_bookkeeping import NATIVE_BOOKKEEPING, PythonGhostList
 from prefixcache.core.eviction.shadow import NATIVE_SHADOWS, PythonShadowSegmentedLRU
 
 # The smallest pool the workload fits in: the live requests beside the one admitted.
@@ -125,19 +126,26 @@ def test_the_fewest_requests_accepted_are_measured(capsys):
     assert report["hit_tokens_as_expected"]
 
 
-@pytest.mark.parametrize("python_shadows", [False, True])
-def test_the_report_says_which_shadows_adaptive_ran(monkeypatch, capsys, python_shadows):
-    # --python-shadows swaps adaptive's class attributes for the script's process: have
+@pytest.mark.parametrize("flag, field, attribute, python_type, native", [
+    ("", "adaptive_shadows", "shadow_type", PythonShadowSegmentedLRU, NATIVE_SHADOWS),
+    ("--python-shadows", "adaptive_shadows", "shadow_type", PythonShadowSegmentedLRU, False),
+    ("--python-bookkeeping", "adaptive_bookkeeping", "ghost_list_type", PythonGhostList,
+     False),
+    ("", "adaptive_bookkeeping", "ghost_list_type", PythonGhostList, NATIVE_BOOKKEEPING)])
+def test_the_report_says_which_of_adaptives_parts_ran_in_c(monkeypatch, capsys, flag, field,
+                                                           attribute, python_type, native):
+    # The flags swap adaptive's class attributes for the script's process: have
     # monkeypatch put them back after the test.
-    for name in ("shadow_type", "sampled_hashes"):
+    for name in ("shadow_type", "sampled_hashes", "ghost_list_type", "note_taken",
+                 "sort_released"):
         monkeypatch.setattr(AdaptiveFreeBlockQueue, name, AdaptiveFreeBlockQueue.__dict__[name])
     argv = ["--requests", str(MAX_LIVE + 1), "--repeats", "1", "--quick", "--policies",
             "adaptive", "--policy-num-blocks", str(MIN_BLOCKS), "--policy-warmup", "0"]
-    assert manager_overhead.main(argv + ["--python-shadows"] * python_shadows) == 0
+    assert manager_overhead.main(argv + [flag] * bool(flag)) == 0
     report = json.loads(capsys.readouterr().out)
-    expected = "c" if NATIVE_SHADOWS and not python_shadows else "python"
-    assert report["eviction_policy_workload"]["adaptive_shadows"] == expected
-    assert (AdaptiveFreeBlockQueue.shadow_type is PythonShadowSegmentedLRU) == (
+    expected = "c" if native else "python"
+    assert report["eviction_policy_workload"][field] == expected
+    assert (getattr(AdaptiveFreeBlockQueue, attribute) is python_type) == (
         expected == "python")
     assert report["eviction_policies"]["adaptive"]["hit_tokens"] > 0
 

@@ -1,10 +1,11 @@
-"""The package's optional C extensions (adaptive's shadow caches, document-liveness's
-fit): built wherever they can be, and from the source next to them. What each computes is
+"""The package's optional C extensions (adaptive's shadow caches and bookkeeping,
+document-liveness's fit): built wherever they can be, and from the sources next to them. What each computes is
 tested against its Python twin in the policy's own tests."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 EXTENSIONS = ["prefixcache.core.eviction._shadow_native",
+              "prefixcache.core.eviction._adaptive_bookkeeping_native",
               "prefixcache.core.eviction._liveness_fit_native"]
 
 
@@ -53,5 +55,8 @@ def test_each_extension_loaded_is_built_from_the_source_next_to_it(name):
     source = library.parent / (name.rsplit(".", 1)[1] + ".c")
     if not source.exists():
         pytest.skip("installed without its source: nothing to compare the build with")
-    assert library.stat().st_mtime >= source.stat().st_mtime, (
-        f"{library.name} is older than {source.name}: rebuild it with `pip install -e .`")
+    # The headers of the package it includes are its source too.
+    headers = re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE)
+    for path in [source, *(source.parent / header for header in headers)]:
+        assert library.stat().st_mtime >= path.stat().st_mtime, (
+            f"{library.name} is older than {path.name}: rebuild it with `pip install -e .`")

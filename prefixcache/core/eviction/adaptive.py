@@ -58,11 +58,11 @@ queue's marks and ghost; the learned scores, the reuse estimate and the choice a
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction.adaptive_bookkeeping import GhostList, note_taken, sort_released
 from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
 from prefixcache.core.eviction.learned_reuse import output_length_signature
 from prefixcache.core.eviction.segmented import (
@@ -130,6 +130,11 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # same decisions either way: shadow.py).
     shadow_type = ShadowSegmentedLRU
     sampled_hashes = staticmethod(sampled_hashes)
+    # The ghost list and the per-block bookkeeping, in C likewise where built (the same
+    # decisions either way: adaptive_bookkeeping.py).
+    ghost_list_type = GhostList
+    note_taken = staticmethod(note_taken)
+    sort_released = staticmethod(sort_released)
 
     @property
     def ghost_factor(self) -> int:
@@ -160,7 +165,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.unproven: list[list | tuple | None] = [None] * self.num_block_ids
         # The real ghost list maps an evicted hash to when it was evicted (num_evicted
         # then) and its content's state at that time.
-        self.ghost: OrderedDict[BlockHash, tuple[int, list | tuple | None]] = OrderedDict()
+        self.ghost = self.ghost_list_type(self.max_ghost)
         self.leader = 0
         self._follow(self.candidates[0])
         # The engine reads the standings after every step: format the labels once.
@@ -204,18 +209,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
                 popped += self._take_lower_then_upper(n - from_first)
         else:
             popped = self._take_lower_then_upper(n)
-        is_reused, unproven, ghost = self.is_reused, self.unproven, self.ghost
-        num_evicted = self.num_evicted
-        for block in popped:
-            block_id = block.block_id
-            is_reused[block_id] = 0
-            if block.block_hash is not None:  # about to be evicted by the pool
-                ghost[block.block_hash] = (num_evicted, unproven[block_id])
-                num_evicted += 1
-            unproven[block_id] = _NEW
-        self.num_evicted = num_evicted
-        for _ in range(len(ghost) - self.max_ghost):
-            ghost.popitem(last=False)
+        # Blocks holding a hash are about to be evicted by the pool: their hashes join
+        # the ghost list.
+        self.num_evicted = self.note_taken(popped, self.ghost, self.num_evicted,
+                                           self.is_reused, self.unproven, _NEW)
         return popped
 
     def popleft(self) -> KVCacheBlock:
@@ -240,44 +237,18 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         when followed, a finished request's low-reuse new content at its tail; then the
         shadows see the request."""
         finished = request is not None and request.status != RequestStatus.PREEMPTED
-        is_reused, unproven, ghost = self.is_reused, self.unproven, self.ghost
-        # ``lower`` keeps the release order (deepest first) of everything bound for
-        # probation; ``new`` is the part of it this request cached new. A block in use
+        unproven = self.unproven
+        # The (signature, epoch) of this request's new content, shared by its blocks:
+        # filled in below. ``lower`` keeps the release order (deepest first) of
+        # everything bound for probation; ``new`` is the part of it this request cached
+        # new, ``sampled_new`` the hashes of that part the shadows sample. A block in use
         # is never unproven: it was taken (_NEW) or hit (None) since it last was.
-        unhashed, lower, protected, new = [], [], [], []
-        # The (signature, epoch) of this request's new content, shared by its blocks; and
-        # the hashes of that content the shadows sample.
         state: list = []
-        sampled_new = []
-        threshold = self.sample_threshold
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is None:
-                unhashed.append(block)
-                continue
-            block_id = block.block_id
-            if is_reused[block_id]:
-                protected.append(block)
-                if finished:
-                    unproven[block_id] = None
-            elif block_hash in ghost:
-                evicted_at, evicted_state = ghost.pop(block_hash)
-                if evicted_state:  # unproven new content, wanted again after its eviction
-                    self.reuse.credit(*evicted_state)
-                if self.num_evicted - evicted_at < self.followed_reach:
-                    is_reused[block_id] = 1
-                    protected.append(block)
-                else:  # wanted again, but further back than the order followed trusts
-                    lower.append(block)
-                if finished:
-                    unproven[block_id] = None
-            else:
-                lower.append(block)
-                if finished and unproven[block_id] is _NEW:
-                    unproven[block_id] = state  # filled in below
-                    new.append(block)
-                    if block_hash[-1] < threshold:
-                        sampled_new.append(block_hash)
+        unhashed, lower, protected, new, sampled_new, credits = self.sort_released(
+            blocks, finished, self.is_reused, unproven, self.ghost, self.num_evicted,
+            self.followed_reach, self.sample_threshold, state, _NEW)
+        for evicted_state in credits:  # unproven new content, wanted again after eviction
+            self.reuse.credit(*evicted_state)
         low_reuse = False
         if new:
             signature = output_length_signature(request)

@@ -1,0 +1,288 @@
+"""``adaptive``'s per-block bookkeeping: the ghost list, ``note_taken`` and
+``sort_released``, in Python (the reference) and in C (the same contract, checked here
+against the reference and against an OrderedDict)."""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+from collections import OrderedDict
+
+import pytest
+
+from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction import adaptive_bookkeeping
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    NATIVE_BOOKKEEPING,
+    PythonGhostList,
+    python_note_taken,
+    python_sort_released,
+)
+
+needs_c = pytest.mark.skipif(
+    not NATIVE_BOOKKEEPING, reason="the package was built without a C compiler "
+    "(tests/core/test_native_extensions.py fails where one is installed)")
+
+PYTHON = pytest.param((PythonGhostList, python_note_taken, python_sort_released),
+                      id="python")
+NATIVE = pytest.param(
+    (adaptive_bookkeeping.NativeGhostList, adaptive_bookkeeping.native_note_taken,
+     adaptive_bookkeeping.native_sort_released), id="c", marks=needs_c)
+IMPLEMENTATIONS = [PYTHON, NATIVE]
+
+NEW = ()  # what adaptive marks a taken block's state with
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(2, "big") * 16
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_ghost_list_keeps_an_ordered_dicts_order(implementation):
+    """New keys go last, a key added again keeps its place with its new values, pop
+    takes a key out anywhere, the oldest go first beyond max_size: an OrderedDict's
+    rules, over thousands of random operations."""
+    ghost_list_type = implementation[0]
+    rng = random.Random(5)
+    for max_size in (0, 1, 7, 50):
+        ghost = ghost_list_type(max_size)
+        model: OrderedDict[bytes, tuple[int, object]] = OrderedDict()
+        for step in range(3_000):
+            k = key(rng.randrange(80))
+            action = rng.random()
+            if action < 0.6:
+                state = rng.choice([None, NEW, [3, step]])
+                ghost.add(k, step, state)
+                model[k] = (step, state)
+                while len(model) > max_size:
+                    model.popitem(last=False)
+            elif action < 0.9:
+                if k in model:
+                    assert ghost.pop(k) == model.pop(k)
+                else:
+                    with pytest.raises(KeyError):
+                        ghost.pop(k)
+            elif action < 0.91:
+                ghost.clear()
+                model.clear()
+            assert len(ghost) == len(model)
+            assert (k in ghost) == (k in model)
+        assert ghost.keys() == list(model)
+        for k, (evicted_at, state) in model.items():
+            assert ghost[k][0] == evicted_at and ghost[k][1] is state
+        with pytest.raises(KeyError):
+            ghost[key(999)]
+
+
+def make_blocks(rng: random.Random, num_blocks: int, num_keys: int) -> list[KVCacheBlock]:
+    blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+    for block in blocks:
+        if rng.random() < 0.85:
+            block.block_hash = key(rng.randrange(num_keys))
+    return blocks
+
+
+def random_world(seed: int):
+    """Blocks, reuse marks, unproven states and a ghost list's contents, at random: the
+    same for the same seed, with state objects of their own."""
+    rng = random.Random(seed)
+    num_blocks = 40
+    blocks = make_blocks(rng, num_blocks, 60)
+    states = [None, NEW, [1, 0], [2, 1], [], ()]
+    is_reused = bytearray(rng.random() < 0.3 for _ in range(num_blocks))
+    unproven = [rng.choice(states) for _ in range(num_blocks)]
+    ghost_entries = [(key(rng.randrange(60)), step, rng.choice(states)) for step in range(50)]
+    return rng, blocks, states, is_reused, unproven, ghost_entries
+
+
+def named(obj, known: list):
+    """``obj`` with every block named by its id and every object in ``known`` by its place
+    there (so that identity is compared, not equality)."""
+    if isinstance(obj, KVCacheBlock):
+        return f"block {obj.block_id}"
+    if isinstance(obj, bytes | int):
+        return obj
+    if isinstance(obj, list | tuple) and not any(obj is s for s in known):
+        return type(obj)(named(item, known) for item in obj)
+    return next(f"state {i}" for i, s in enumerate(known) if obj is s)
+
+
+def run_both(seed: int, operation):
+    """``operation(implementation, rng, blocks, is_reused, unproven, ghost, state)`` on
+    the same random world under each implementation (``state``: a fresh list for new
+    content). Returns, per implementation, what it returned and the world after it,
+    :func:`named`."""
+    results = []
+    for implementation in (PYTHON.values[0], NATIVE.values[0]):
+        rng, blocks, states, is_reused, unproven, ghost_entries = random_world(seed)
+        ghost = implementation[0](30)
+        for k, evicted_at, state in ghost_entries:
+            ghost.add(k, evicted_at, state)
+        state: list = []
+        known = [*states, state]
+        returned = operation(implementation, rng, blocks, is_reused, unproven, ghost, state)
+        ghost_keys = ghost.keys()
+        results.append((named(returned, known), bytes(is_reused), named(unproven, known),
+                        [(k, named(ghost[k], known)) for k in ghost_keys]))
+    return results
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(8))
+def test_note_taken_in_c_does_what_the_reference_does(seed):
+    def take(implementation, rng, blocks, is_reused, unproven, ghost, state):
+        return implementation[1](rng.sample(blocks, 25), ghost, 1_000, is_reused, unproven,
+                                 NEW)
+
+    python, native = run_both(seed, take)
+    assert python == native
+    assert python[0] > 1_000
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("finished", [True, False])
+def test_sort_released_in_c_does_what_the_reference_does(seed, finished):
+    def release(implementation, rng, blocks, is_reused, unproven, ghost, state):
+        # Many blocks share hashes with the ghost list: found, then gone for the rest.
+        return implementation[2](rng.sample(blocks, 30), finished, is_reused, unproven,
+                                 ghost, 1_050, rng.choice([10, 30, 100]), 128, state, NEW)
+
+    python, native = run_both(seed, release)
+    assert python == native
+    unhashed, lower, protected, new, sampled_new, credits = python[0]
+    assert protected and lower and unhashed
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sort_released_sorts_each_kind_of_block(implementation):
+    ghost_list_type, _, sort_released = implementation
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    for block, name in zip(blocks[1:], (b"reused", b"recent", b"old", b"new", b"cold"),
+                           strict=True):
+        block.block_hash = name.ljust(32, b"\x00")  # last byte 0: every new one sampled
+    is_reused = bytearray([0, 1, 0, 0, 0, 0])
+    earlier = [7, 0]  # unproven new content evicted earlier, then recomputed
+    unproven = [NEW, NEW, NEW, NEW, NEW, None]
+    ghost = ghost_list_type(10)
+    ghost.add(blocks[2].block_hash, 95, earlier)  # 5 evictions ago
+    ghost.add(blocks[3].block_hash, 80, None)  # 20 evictions ago: just beyond the reach
+    state: list = []
+    unhashed, lower, protected, new, sampled_new, credits = sort_released(
+        blocks, True, is_reused, unproven, ghost, 100, 20, 1, state, NEW)
+    assert unhashed == [blocks[0]]
+    assert protected == [blocks[1], blocks[2]]
+    assert lower == [blocks[3], blocks[4], blocks[5]]
+    assert new == [blocks[4]] and sampled_new == [blocks[4].block_hash]
+    assert credits == [earlier] and credits[0] is earlier
+    assert is_reused == bytearray([0, 1, 1, 0, 0, 0])
+    assert unproven[0] is NEW and unproven[4] is state
+    assert unproven[1] is unproven[2] is unproven[3] is unproven[5] is None
+    assert not len(ghost)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_note_taken_records_evictions_in_order(implementation):
+    ghost_list_type, note_taken, _ = implementation
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    blocks[0].block_hash, blocks[2].block_hash, blocks[3].block_hash = key(1), key(2), key(3)
+    is_reused = bytearray([1, 1, 1, 1])
+    old = [5, 0]
+    unproven = [old, None, NEW, None]
+    ghost = ghost_list_type(2)
+    assert note_taken(blocks, ghost, 40, is_reused, unproven, NEW) == 43
+    assert is_reused == bytearray(4) and all(state is NEW for state in unproven)
+    assert ghost.keys() == [key(2), key(3)]  # key(1) trimmed: at most 2 kept
+    assert ghost[key(2)] == (41, NEW) and ghost[key(3)] == (42, None)
+
+
+@needs_c
+def test_the_c_functions_refuse_what_they_cannot_use():
+    native = adaptive_bookkeeping
+    ghost = native.NativeGhostList(4)
+    block = KVCacheBlock(3)
+    block.block_hash = "not bytes"
+    with pytest.raises(TypeError):
+        native.native_note_taken([block], ghost, 0, bytearray(4), [None] * 4, NEW)
+    with pytest.raises(TypeError):
+        ghost.add("not bytes", 0, None)
+    block.block_hash = key(1)
+    for is_reused, unproven in ((bytearray(3), [None] * 4), (bytearray(4), [None] * 3)):
+        with pytest.raises(IndexError):
+            native.native_note_taken([block], ghost, 0, is_reused, unproven, NEW)
+        with pytest.raises(IndexError):
+            native.native_sort_released([block], True, is_reused, unproven, ghost, 0, 1,
+                                        256, [], NEW)
+    with pytest.raises(TypeError):  # the Python ghost list is not the C one's
+        native.native_note_taken([block], PythonGhostList(4), 0, bytearray(4), [None] * 4,
+                                 NEW)
+    with pytest.raises(TypeError):
+        native.native_note_taken((block,), ghost, 0, bytearray(4), [None] * 4, NEW)
+    with pytest.raises(ValueError):
+        native.NativeGhostList(-1)
+    assert not len(ghost) and "not bytes" not in ghost
+
+
+@needs_c
+def test_the_c_ghost_list_refuses_changes_from_inside_a_change():
+    """A block whose hash attribute changes the ghost list being filled: the change is
+    refused, the call fails, and the list is whole."""
+    ghost = adaptive_bookkeeping.NativeGhostList(4)
+
+    class MeddlingBlock(KVCacheBlock):
+        __slots__ = ()
+
+        @property
+        def block_hash(self):
+            ghost.clear()
+            return key(1)
+
+        @block_hash.setter
+        def block_hash(self, value):
+            pass
+
+    ghost.add(key(2), 0, None)
+    with pytest.raises(RuntimeError, match="middle of a change"):
+        adaptive_bookkeeping.native_note_taken([MeddlingBlock(0)], ghost, 1, bytearray(1),
+                                               [None], NEW)
+    assert ghost.keys() == [key(2)]
+
+
+@needs_c
+def test_the_c_ghost_list_leaks_nothing_and_is_collected_in_cycles():
+    k = key(42)
+    state = [1, 2]
+    before = sys.getrefcount(k), sys.getrefcount(state)
+    ghost = adaptive_bookkeeping.NativeGhostList(2)
+    for step in range(10):
+        ghost.add(k, step, state)
+        ghost.add(key(step), step, state)
+    ghost.pop(key(9))
+    ghost.clear()
+    ghost.add(k, 0, state)
+    del ghost
+    assert (sys.getrefcount(k), sys.getrefcount(state)) == before
+
+    class Holder:
+        collected = False
+
+        def __del__(self):
+            Holder.collected = True
+
+    ghost = adaptive_bookkeeping.NativeGhostList(2)
+    holder = Holder()
+    holder.ghost = ghost
+    ghost.add(k, 0, holder)  # ghost -> holder -> ghost
+    del ghost, holder
+    gc.collect()
+    assert Holder.collected
+
+
+def test_adaptive_uses_the_c_bookkeeping_where_it_is_built():
+    from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
+
+    expected = (adaptive_bookkeeping.NativeGhostList if NATIVE_BOOKKEEPING
+                else PythonGhostList)
+    assert AdaptiveFreeBlockQueue.ghost_list_type is expected
+    assert type(AdaptiveFreeBlockQueue([KVCacheBlock(0)]).ghost) is expected
