@@ -40,9 +40,9 @@ segments keep, for a switch back, the order of the other candidate whose shadow 
 it took the lead.
 
 Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
-LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks) of ``sample_rate * num_blocks`` entries, each with a ghost list
-of its candidate's reach in its own cache-fulls (``ghost_factor`` times its size), fed
-with the hashes, among each finished request's block hashes, whose last byte is below
+LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks) of
+``sample_rate * num_blocks`` entries, each with a ghost list of its candidate's reach in
+its own cache-fulls (``ghost_factor`` times its size), fed with the hashes, among each finished request's block hashes, whose last byte is below
 ``256 * sample_rate`` (spatial sampling: a hash is always in or always out, so the
 shadows see a consistent miniature of the traffic), each told which of them the real
 queue judged low-reuse. A shadow counts a hit for a sampled hash it holds when the
@@ -123,8 +123,8 @@ class Candidate(NamedTuple):
 #: the blocks protected, the LRU order with low-reuse content first, ``2q``'s (90 %
 #: protected) with low-reuse content first at two reaches of the ghost list: ``2q``'s 2
 #: cache-fulls and twice that, and the liveness order, which ranks content by whether
-#: its document is still being asked about rather than by recency. How far back a recomputation still earns protection
-#: depends on the traffic: far, where a conversation's next turn comes after thousands
+#: its document is still being asked about rather than by recency. How far back a
+#: recomputation still earns protection depends on the traffic: far, where a conversation's next turn comes after thousands
 #: of other blocks; not as far, where protecting everything seen twice would crowd out
 #: what is used next. ``2q``'s own order is left out: until some kind of request is judged
 #: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
