@@ -39,19 +39,19 @@ from them when it takes the lead and dropped when it loses it, and taken from th
 segments keep, for a switch back, the order of the other candidate whose shadow led when
 it took the lead.
 
-Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
-LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks) of
-``sample_rate * num_blocks`` entries, each with a ghost list of its candidate's reach in
-its own cache-fulls (``ghost_factor`` times its size), fed with the hashes, among each finished request's block hashes, whose last byte is below
-``256 * sample_rate`` (spatial sampling: a hash is always in or always out, so the
-shadows see a consistent miniature of the traffic), each told which of them the real
-queue judged low-reuse. A shadow counts a hit for a sampled hash it holds when the
-request comes back. Every shadow's hit count decays by half each time the shadows have
-seen ``decay_factor`` times their capacity in sampled hashes, so the choice follows the
-traffic as it changes. The queue follows the candidate with the most decayed hits, but
-leaves the current one only for a candidate ahead by more than ``switch_margin`` of its
-count (noise in the sample must not make it flap). It starts at the first candidate, the
-design's order with empty blocks first.
+Which candidate holds is decided by *shadow caches*, one per candidate: hash-only
+segmented LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks)
+of ``sample_rate * num_blocks`` entries, each with a ghost list of its candidate's reach
+in its own cache-fulls (``ghost_factor`` times its size), fed with the hashes, among each
+finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
+sampling: a hash is always in or always out, so the shadows see a consistent miniature of
+the traffic), each told which of them the real queue judged low-reuse. A shadow counts a
+hit for a sampled hash it holds when the request comes back. Every shadow's hit count
+decays by half each time the shadows have seen ``decay_factor`` times their capacity in
+sampled hashes, so the choice follows the traffic as it changes. The queue follows the
+candidate with the most decayed hits, but leaves the current one only for a candidate
+ahead by more than ``switch_margin`` of its count (noise in the sample must not make it
+flap). It starts at the first candidate, the design's order with empty blocks first.
 
 Cost: per block taken, a ghost-list entry if it held content; per block released, a
 byte-array read, a ghost-list lookup and a note of its release; per finished request, the
@@ -122,13 +122,14 @@ class Candidate(NamedTuple):
 #: The orders the queue chooses among: the design's LRU order, a segmented LRU with half
 #: the blocks protected, the LRU order with low-reuse content first, ``2q``'s (90 %
 #: protected) with low-reuse content first at two reaches of the ghost list: ``2q``'s 2
-#: cache-fulls and twice that, and the liveness order, which ranks content by whether
-#: its document is still being asked about rather than by recency. How far back a
-#: recomputation still earns protection depends on the traffic: far, where a conversation's next turn comes after thousands
-#: of other blocks; not as far, where protecting everything seen twice would crowd out
-#: what is used next. ``2q``'s own order is left out: until some kind of request is judged
-#: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
-#: candidate costs a shadow cache fed on every request.
+#: cache-fulls and twice that, and the liveness order, which ranks content by whether its
+#: document is still being asked about rather than by recency. How far back a
+#: recomputation still earns protection depends on the traffic: far, where a
+#: conversation's next turn comes after thousands of other blocks; not as far, where
+#: protecting everything seen twice would crowd out what is used next. ``2q``'s own order
+#: is left out: until some kind of request is judged low-reuse, its low-reuse-first twin
+#: orders blocks exactly as it does, and every candidate costs a shadow cache fed on every
+#: request.
 CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.0, True),
               Candidate(0.9, True, 2), Candidate(0.9, True, 4),
               Candidate(0.0, False, liveness=True))
