@@ -20,6 +20,10 @@ from prefixcache.core.eviction.adaptive_bookkeeping import (
     python_note_taken,
     python_sort_released,
 )
+from prefixcache.core.eviction.liveness_order import (
+    NATIVE_LIVENESS_SHADOW,
+    PythonShadowLivenessOrder,
+)
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
     PythonShadowSegmentedLRU,
@@ -136,6 +140,9 @@ def run_in_python(patch: pytest.MonkeyPatch, parts: str) -> None:
         patch.setattr(AdaptiveFreeBlockQueue, "shadow_type", PythonShadowSegmentedLRU)
         patch.setattr(AdaptiveFreeBlockQueue, "sampled_hashes",
                       staticmethod(python_sampled_hashes))
+    elif parts == "liveness shadow":
+        patch.setattr(AdaptiveFreeBlockQueue, "liveness_shadow_type",
+                      PythonShadowLivenessOrder)
     else:
         patch.setattr(AdaptiveFreeBlockQueue, "ghost_list_type", PythonGhostList)
         patch.setattr(AdaptiveFreeBlockQueue, "note_taken", staticmethod(python_note_taken))
@@ -147,7 +154,9 @@ def run_in_python(patch: pytest.MonkeyPatch, parts: str) -> None:
     pytest.param("shadows", marks=pytest.mark.skipif(
         not NATIVE_SHADOWS, reason="built without a C compiler")),
     pytest.param("bookkeeping", marks=pytest.mark.skipif(
-        not NATIVE_BOOKKEEPING, reason="built without a C compiler"))])
+        not NATIVE_BOOKKEEPING, reason="built without a C compiler")),
+    pytest.param("liveness shadow", marks=pytest.mark.skipif(
+        not NATIVE_LIVENESS_SHADOW, reason="built without a C compiler"))])
 def test_the_c_parts_change_no_decision(tmp_path, monkeypatch, parts):
     """A replay under the C shadows and sample, or the C bookkeeping, is the replay under
     the Python ones, hit for hit, choice for choice (small shadows, so that the sample

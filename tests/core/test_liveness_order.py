@@ -8,11 +8,18 @@ import random
 import pytest
 
 from prefixcache.core.block import KVCacheBlock
+from prefixcache.core.eviction import liveness_order
 from prefixcache.core.eviction.liveness_order import (
+    NATIVE_LIVENESS_SHADOW,
     UNKNOWN_CLASS,
     LivenessOrderQueue,
-    ShadowLivenessOrder,
+    PythonShadowLivenessOrder,
 )
+
+SHADOWS = [pytest.param(PythonShadowLivenessOrder, id="python"),
+           pytest.param(liveness_order.NativeShadowLivenessOrder, id="c",
+                        marks=pytest.mark.skipif(not NATIVE_LIVENESS_SHADOW,
+                                                 reason="built without a C compiler"))]
 
 
 class Estimates:
@@ -28,6 +35,10 @@ class Estimates:
     def class_log_odds(self, finest_class: int) -> float:
         return self.log_odds[finest_class]
 
+    @property
+    def all_class_log_odds(self) -> list[float]:
+        return self.log_odds
+
     def refit(self, rng: random.Random) -> None:
         self.log_odds = [rng.uniform(-3, 3) for _ in self.log_odds]
         self.overall_log_odds = rng.uniform(-3, 3)
@@ -41,15 +52,16 @@ def key_of(model: Estimates, parts) -> float:
     return log_odds + clock
 
 
+@pytest.mark.parametrize("shadow_type", SHADOWS)
 @pytest.mark.parametrize("seed", range(4))
-def test_the_shadow_keeps_the_highest_keys_and_counts_hits(seed):
+def test_the_shadow_keeps_the_highest_keys_and_counts_hits(seed, shadow_type):
     """Against a plain model: every hash given is held with the access's parts (a hash
     given again takes the new ones), then the lowest (key, order) go while more than the
     capacity are held, the order counting hashes deepest first; estimates change at
     random refits."""
     rng = random.Random(seed)
     model = Estimates([rng.uniform(-3, 3) for _ in range(5)])
-    shadow = ShadowLivenessOrder(12, model)
+    shadow = shadow_type(12, model)
     held: dict[bytes, tuple] = {}  # hash -> (parts, order)
     order = 0
     num_hits = 0
@@ -70,7 +82,8 @@ def test_the_shadow_keeps_the_highest_keys_and_counts_hits(seed):
         shadow.parts = parts
         assert shadow.access(hashes) == expected_hits
         num_hits += expected_hits
-        assert set(shadow.keys_in_order()) == set(held)
+        assert shadow.keys_in_order() == sorted(
+            held, key=lambda h: (key_of(model, held[h][0]), held[h][1]))
         assert len(shadow) == len(held)
     assert shadow.num_hits == num_hits > 0
     shadow.forget()
@@ -117,3 +130,18 @@ def test_the_queue_rekeys_its_releases_when_the_model_refits():
     queue.add_released([empty], (1, 3.0, 3))  # a release after the refit re-keys
     assert [b.block_id for b in queue.get_all_free_blocks()] == [9, 2, 3, 0, 1]
     assert [b.block_id for b in queue.popleft_n(5)] == [9, 2, 3, 0, 1]
+
+
+@pytest.mark.skipif(not NATIVE_LIVENESS_SHADOW, reason="built without a C compiler")
+def test_the_c_shadow_refuses_what_it_cannot_use():
+    from prefixcache.core.eviction._key_order_shadow_native import KeyOrderShadow
+
+    shadow = KeyOrderShadow(4)
+    with pytest.raises(TypeError):
+        shadow.access(["not bytes"], 0, 1.0, 1.0)
+    assert shadow.access([b"a" * 8, b"b" * 8], 3, 1.0, 1.0) == 0
+    with pytest.raises(IndexError):  # class 3 has no log-odds in a list of two
+        shadow.rekey([0.0, 0.0], 0.0)
+    shadow.rekey([0.0, 0.0, 0.0, -5.0], 0.0)
+    assert shadow.keys_in_order() == [b"b" * 8, b"a" * 8]  # the deepest entered first
+    assert shadow.access([b"a" * 8], UNKNOWN_CLASS, 2.0, 2.0) == 1 and shadow.num_hits == 1

@@ -168,6 +168,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # The ghost list and the per-block bookkeeping, in C likewise where built (the same
     # decisions either way: adaptive_bookkeeping.py).
     ghost_list_type = GhostList
+    liveness_shadow_type = ShadowLivenessOrder
     note_taken = staticmethod(note_taken)
     sort_released = staticmethod(sort_released)
 
@@ -195,7 +196,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.release_parts: list[ReleaseParts | None] = [None] * self.num_block_ids
         self.num_releases = 0
         self.liveness_queue: LivenessOrderQueue | None = None
-        self.shadows = [ShadowLivenessOrder(shadow_capacity, self.liveness) if c.liveness
+        self.shadows = [self.liveness_shadow_type(shadow_capacity, self.liveness) if c.liveness
                         else self.shadow_type(shadow_capacity, c.protected_fraction,
                                               c.low_reuse_first, c.ghost_factor)
                         for c in self.candidates]

@@ -229,6 +229,12 @@ class DocumentLivenessModel:
         """``logit(p)`` of a finest class (:func:`logit` of :meth:`class_probability`)."""
         return self._leaf_log_odds[finest_class]
 
+    @property
+    def all_class_log_odds(self) -> list[float]:
+        """:meth:`class_log_odds` of every finest class, by id (the model's own list:
+        read it, do not change it)."""
+        return self._leaf_log_odds
+
     def depth_class(self, blocks_from_end: int, block_size: int) -> int:
         """The depth class of a block ``blocks_from_end`` blocks before a prompt's last
         full block: the bit length of that distance in tokens, capped."""

@@ -17,8 +17,9 @@ release number)``; every block of a release shares them.
 
 - :class:`LivenessOrderQueue` is the order over real free blocks, built when ``adaptive``
   starts following it, from the free blocks and the parts each was last released with.
-- :class:`ShadowLivenessOrder` is its shadow cache: sampled hashes only, counting the
-  hits the order would have had.
+- :class:`PythonShadowLivenessOrder` is its shadow cache: sampled hashes only, counting
+  the hits the order would have had; :data:`ShadowLivenessOrder` is the one ``adaptive``
+  uses, the same in C where the package was built with a compiler.
 
 Both re-key everything they hold when the model refits (``num_fits`` changes).
 """
@@ -115,13 +116,16 @@ class LivenessOrderQueue(GroupedScoredFreeBlockQueue):
             self._add_n_to_group(self._new_group(parts), held)
 
 
-class ShadowLivenessOrder:
+class PythonShadowLivenessOrder:
     """A hash-only cache of ``capacity`` entries in the liveness order: the hashes a
     request is given are keyed by :attr:`parts` (set by the caller before each
     :meth:`access`), the lowest key evicted first, among equal keys the entry made first
     (a request's deepest hash first). ``num_hits`` counts, as in the other shadows, the
     hashes found held; the caller may scale it (decay). Re-keys every entry when the
-    model refits. No ghost list: a hash evicted is forgotten."""
+    model refits. No ghost list: a hash evicted is forgotten.
+
+    This is the reference; :class:`NativeShadowLivenessOrder` keeps the same entries in
+    the same order in C."""
 
     __slots__ = ("capacity", "model", "parts", "num_hits", "_entries", "_heap", "_order",
                  "_num_fits_keyed")
@@ -191,3 +195,57 @@ class ShadowLivenessOrder:
         """Drop every hash held."""
         self._entries.clear()
         self._heap = []
+
+
+class NativeShadowLivenessOrder:
+    """:class:`PythonShadowLivenessOrder`'s contract, its entries kept in C
+    (``_key_order_shadow_native.c``): the same hits, the same evictions."""
+
+    __slots__ = ("model", "parts", "_shadow", "_num_fits_keyed")
+
+    def __init__(self, capacity: int, model: DocumentLivenessModel) -> None:
+        self.model = model
+        self.parts: ReleaseParts = (UNKNOWN_CLASS, 0.0, -1)
+        self._shadow = KeyOrderShadow(capacity)
+        self._num_fits_keyed = model.num_fits
+
+    @property
+    def capacity(self) -> int:
+        return self._shadow.capacity
+
+    @property
+    def num_hits(self) -> float:
+        return self._shadow.num_hits
+
+    @num_hits.setter
+    def num_hits(self, value: float) -> None:
+        self._shadow.num_hits = value
+
+    def __len__(self) -> int:
+        return len(self._shadow)
+
+    def access(self, hashes: Sequence[BlockHash],
+               low_reuse_hashes: Collection[BlockHash] | None = None) -> int:
+        model = self.model
+        if model.num_fits != self._num_fits_keyed:
+            self._num_fits_keyed = model.num_fits
+            self._shadow.rekey(model.all_class_log_odds, model.overall_log_odds)
+        parts = self.parts
+        return self._shadow.access(hashes, parts[0], parts[1], liveness_key(model, parts))
+
+    def keys_in_order(self) -> list[BlockHash]:
+        return self._shadow.keys_in_order()
+
+    def forget(self) -> None:
+        self._shadow.forget()
+
+
+try:
+    from prefixcache.core.eviction._key_order_shadow_native import KeyOrderShadow
+except ImportError:  # built without a C compiler: the Python shadow decides the same
+    KeyOrderShadow = None
+
+#: Whether ``adaptive``'s liveness shadow runs in C.
+NATIVE_LIVENESS_SHADOW = KeyOrderShadow is not None
+ShadowLivenessOrder = (NativeShadowLivenessOrder if NATIVE_LIVENESS_SHADOW
+                       else PythonShadowLivenessOrder)
