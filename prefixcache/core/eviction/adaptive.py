@@ -43,10 +43,12 @@ leaves the current one only for a candidate ahead by more than ``switch_margin``
 count (noise in the sample must not make it flap). It starts at the first candidate, the
 design's order with empty blocks first.
 
-Cost: per finished request, one byte comparison per block hash, a few byte-array reads per
-released block and, for the sampled hashes (``sample_rate`` of them), a few table and list
-operations per shadow (the shadows and the sample run in C where the package was built
-with a compiler, in Python otherwise, with the same decisions: ``shadow.py``). Memory: the
+Cost: per block taken, a ghost-list entry if it held content; per block released, a
+byte-array read and a ghost-list lookup; per finished request, one byte comparison per
+block hash and, for the sampled hashes (``sample_rate`` of them), a few table and list
+operations per shadow. The shadows, the sample and the per-block work run in C where the
+package was built with a compiler, in Python otherwise, with the same decisions
+(``shadow.py``, ``adaptive_bookkeeping.py``). Memory: the
 real queue's ghost list (the longest reach times ``num_blocks`` hashes, each with its
 eviction count and the signature of its content when it was still unproven), two bytes
 and one slot per block, a few counters per signature, plus, per shadow, at most
