@@ -1,6 +1,6 @@
 """The package's optional C extensions (adaptive's shadow caches and bookkeeping,
-document-liveness's fit): built wherever they can be, and from the sources next to them. What each computes is
-tested against its Python twin in the policy's own tests."""
+document-liveness's fit): built wherever they can be, and from the sources next to them.
+What each computes is tested against its Python twin in the policy's own tests."""
 
 from __future__ import annotations
 

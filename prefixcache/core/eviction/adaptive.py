@@ -57,19 +57,18 @@ Cost: per block taken, a ghost-list entry if it held content; per block released
 byte-array read, a ghost-list lookup and a note of its release; per finished request, the
 liveness model's bookkeeping (a document lookup and a state; every ``refit_every``
 requests a fit over its states), one byte comparison per block hash and, for the sampled
-hashes (``sample_rate`` of them), a few table and list operations per shadow. The
-segment shadows, the sample and the per-block work run in C where the package was built
-with a compiler, in Python otherwise, with the same decisions (``shadow.py``,
-``adaptive_bookkeeping.py``). While the liveness order is followed, each block taken,
-hit or released also moves in its queue. Memory: the real queue's ghost list (the
-longest reach times ``num_blocks`` hashes, each with its eviction count and the
-signature of its content when it was still unproven), two bytes and two slots per block,
-a few counters per signature, the liveness model's states and at most ``max_documents``
-documents, plus, per shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks``
-hashes (entries and ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and
-at least ``num_blocks / 256``). A prefix-cache reset empties the shadows as well as the
-queue's marks and ghost; the learned scores and estimates and the choice are kept.
-"""
+hashes (``sample_rate`` of them), a few table and list operations per shadow. The shadows,
+the sample and the per-block work run in C where the package was built with a compiler, in
+Python otherwise, with the same decisions (``shadow.py``, ``liveness_order.py``,
+``adaptive_bookkeeping.py``). While the liveness order is followed, each block taken, hit
+or released also moves in its queue. Memory: the real queue's ghost list (the longest
+reach times ``num_blocks`` hashes, each with its eviction count and the signature of its
+content when it was still unproven), two bytes and two slots per block, a few counters per
+signature, the liveness model's states and at most ``max_documents`` documents, plus, per
+shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and
+ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and at least ``num_blocks
+/ 256``). A prefix-cache reset empties the shadows as well as the queue's marks and ghost;
+the learned scores and estimates and the choice are kept. """
 
 from __future__ import annotations
 
