@@ -47,17 +47,27 @@ class DocumentTracker:
         """Count a request that finished (one preempted, or without full prompt blocks,
         is not counted: returns None) on its document, a tick of the model's time and a
         new state; returns the document."""
-        hashes = prompt_hashes(request)
-        if not hashes or request.status is RequestStatus.PREEMPTED:
+        if (request is None or request.status is RequestStatus.PREEMPTED
+                or not request.block_hashes or request.block_hasher is None):
             return None
-        return self.note_request(request, hashes, request.block_hasher.block_size)
+        block_size = request.block_hasher.block_size
+        num_prompt_blocks = request.num_prompt_tokens // block_size
+        if not num_prompt_blocks:
+            return None
+        # Without shares to observe, only the first hash and the count are needed.
+        hashes = request.block_hashes[:num_prompt_blocks] if self.observe_shares else None
+        return self._note(request, request.block_hashes[0], num_prompt_blocks, hashes,
+                          block_size)
 
     def note_request(self, request: Request, hashes: list[BlockHash],
                      block_size: int) -> DocumentHistory:
         """:meth:`note_finished` for a request known to count, with its prompt's full
         block ``hashes``."""
+        return self._note(request, hashes[0], len(hashes), hashes, block_size)
+
+    def _note(self, request: Request, root: BlockHash, num_prompt_blocks: int,
+              hashes: list[BlockHash] | None, block_size: int) -> DocumentHistory:
         documents = self.documents
-        root = hashes[0]
         document = documents.get(root)
         prompt_tokens = request.num_prompt_tokens
         model = self.model
@@ -74,7 +84,7 @@ class DocumentTracker:
                                            document.prompt_tail_hashes, hashes, block_size)
         document.num_requests += 1
         if self.observe_shares:
-            document.num_prompt_blocks = len(hashes)
+            document.num_prompt_blocks = num_prompt_blocks
             document.prompt_tail_hashes = hashes[-KEPT_TAIL_HASHES:]
         model.tick()
         document.state_id = model.new_state(document)
