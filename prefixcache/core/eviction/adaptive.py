@@ -158,8 +158,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     reuse_memory_factor = 8
     candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
     # Documents the liveness model remembers (the least recently asked about forgotten
-    # first).
+    # first), and the states it fits on: half of document-liveness's, since every fit
+    # runs over all of them and this model runs whichever candidate is followed.
     max_documents = 20_000
+    liveness_max_states = 2_500
     # The shadows and the sample, in C when the package was built with a compiler (the
     # same decisions either way: shadow.py).
     shadow_type = ShadowSegmentedLRU
@@ -189,7 +191,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # The liveness order's estimates, learned whichever candidate is followed; the
         # parts each block holding content was last released with; the order itself
         # over the free blocks only while it is followed.
-        self.liveness = DocumentLivenessModel()
+        self.liveness = DocumentLivenessModel(max_states=self.liveness_max_states)
         self.documents = DocumentTracker(self.liveness, self.max_documents,
                                          observe_shares=False)
         self.release_parts: list[ReleaseParts | None] = [None] * self.num_block_ids
