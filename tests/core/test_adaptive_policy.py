@@ -17,6 +17,7 @@ from prefixcache.core.eviction.adaptive import (
 from prefixcache.core.eviction.adaptive_bookkeeping import (
     NATIVE_BOOKKEEPING,
     PythonGhostList,
+    python_mark_hashed,
     python_note_taken,
     python_sort_released,
 )
@@ -148,6 +149,7 @@ def run_in_python(patch: pytest.MonkeyPatch, parts: str) -> None:
         patch.setattr(AdaptiveFreeBlockQueue, "note_taken", staticmethod(python_note_taken))
         patch.setattr(AdaptiveFreeBlockQueue, "sort_released",
                       staticmethod(python_sort_released))
+        patch.setattr(AdaptiveFreeBlockQueue, "mark_hashed", staticmethod(python_mark_hashed))
 
 
 @pytest.mark.parametrize("parts", [

@@ -76,7 +76,12 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction.adaptive_bookkeeping import GhostList, note_taken, sort_released
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    GhostList,
+    mark_hashed,
+    note_taken,
+    sort_released,
+)
 from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
 from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
 from prefixcache.core.eviction.document_tracker import DocumentTracker
@@ -172,6 +177,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     liveness_shadow_type = ShadowLivenessOrder
     note_taken = staticmethod(note_taken)
     sort_released = staticmethod(sort_released)
+    mark_hashed = staticmethod(mark_hashed)
 
     @property
     def ghost_factor(self) -> int:
@@ -322,10 +328,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.num_releases += 1
         parts = (liveness.finest_class(document.state_id) if document is not None
                  else UNKNOWN_CLASS, liveness.clock, self.num_releases)
-        release_parts = self.release_parts
-        for block in blocks:
-            if block.block_hash is not None:
-                release_parts[block.block_id] = parts
+        self.mark_hashed(blocks, self.release_parts, parts)
         if self.liveness_queue is not None:
             self.liveness_queue.add_released(blocks, parts)
         unproven = self.unproven
