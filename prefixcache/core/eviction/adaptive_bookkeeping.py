@@ -8,8 +8,9 @@ interpreter between its few table operations costs more than the rest of the pol
 tests hold the two to the same entries, lists and orders. :data:`GhostList`,
 :func:`note_taken`, :func:`sort_released` and :func:`mark_hashed` are what ``adaptive``
 uses: the C ones when the package was built with a C compiler
-(:data:`NATIVE_BOOKKEEPING`), else the Python ones. Either way every decision is the same; only the cost differs. The two kinds do not
-mix: the C functions take only the C ghost list.
+(:data:`NATIVE_BOOKKEEPING`), else the Python ones. Either way every decision is the
+same; only the cost differs. The two kinds do not mix: the C functions take only the C
+ghost list.
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ try:
         GhostList as NativeGhostList,
     )
     from prefixcache.core.eviction._adaptive_bookkeeping_native import (
-        note_taken as native_note_taken,
+        mark_hashed as native_mark_hashed,
     )
     from prefixcache.core.eviction._adaptive_bookkeeping_native import (
-        mark_hashed as native_mark_hashed,
+        note_taken as native_note_taken,
     )
     from prefixcache.core.eviction._adaptive_bookkeeping_native import (
         sort_released as native_sort_released,
