@@ -36,8 +36,8 @@ every finished request whichever candidate is followed (each block holding conte
 remembers the parts of its last release). While it is followed, the free blocks are also
 held in a :class:`~prefixcache.core.eviction.liveness_order.LivenessOrderQueue`, built
 from them when it takes the lead and dropped when it loses it, and taken from there; the
-segments keep, for a switch back, the order of the other candidate whose shadow led when
-it took the lead.
+segments keep, for a switch back, the order of whichever other candidate's shadow had the
+most hits when it took the lead.
 
 Which candidate holds is decided by *shadow caches*, one per candidate: hash-only
 segmented LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks)
