@@ -101,11 +101,13 @@ QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
 
 def one_reach_candidates(ghost_factor: int) -> tuple[Candidate, ...]:
-    """The registered candidate orders with one ghost-list reach for all, without the
-    repeats that leaves."""
-    orders = dict.fromkeys((c.protected_fraction, c.low_reuse_first) for c in CANDIDATES)
-    return tuple(Candidate(fraction, low_reuse_first, ghost_factor)
-                 for fraction, low_reuse_first in orders)
+    """The registered candidate orders with one ghost-list reach for every segment order,
+    without the repeats that leaves; the liveness order (no ghost list) as registered."""
+    orders = dict.fromkeys((c.protected_fraction, c.low_reuse_first) for c in CANDIDATES
+                           if not c.liveness)
+    return (tuple(Candidate(fraction, low_reuse_first, ghost_factor)
+                  for fraction, low_reuse_first in orders)
+            + tuple(c for c in CANDIDATES if c.liveness))
 
 
 #: The variants of ``adaptive`` the leave-one-out check chooses among: class attributes

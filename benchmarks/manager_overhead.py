@@ -17,10 +17,10 @@ encoding. vLLM's whole manager cannot be installed here (no CPU wheel); the issu
 ~500 us per lifecycle for it with sha256 on this machine.
 
 ``adaptive`` runs its shadow caches and its per-block bookkeeping, and
-``document-liveness`` its model's fit, in C when the package was built with a compiler;
-``--python-shadows``, ``--python-bookkeeping`` and ``--python-fit`` time them with the
-Python ones instead (the same decisions), which is what they cost where the package was
-installed without one.
+``document-liveness`` and ``adaptive`` their liveness model's fit, in C when the package was
+built with a compiler; ``--python-shadows``, ``--python-bookkeeping`` and ``--python-fit``
+time them with the Python ones instead (the same decisions); the three together are what
+they cost where the package was installed without one.
 
     python benchmarks/manager_overhead.py [--requests 500] [--repeats 3] [--quick]
         [--policies lru,adaptive,...] [--policy-num-blocks 4096] [--policy-warmup N]
@@ -47,10 +47,15 @@ from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
 from prefixcache.core.eviction.adaptive_bookkeeping import (
     NATIVE_BOOKKEEPING,
     PythonGhostList,
+    python_mark_hashed,
     python_note_taken,
     python_sort_released,
 )
 from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
+from prefixcache.core.eviction.liveness_order import (
+    NATIVE_LIVENESS_SHADOW,
+    PythonShadowLivenessOrder,
+)
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
     PythonShadowSegmentedLRU,
@@ -332,15 +337,17 @@ def run(argv: list[str] | None) -> int:
                              "the longest ghost list, 4 pool-fulls of hashes, is full by "
                              "then)")
     parser.add_argument("--python-shadows", action="store_true",
-                        help="run adaptive's shadow caches in Python even where the "
-                             "package built them in C (the same decisions, more cost)")
+                        help="run adaptive's shadow caches (the liveness order's too) in "
+                             "Python even where the package built them in C (the same "
+                             "decisions, more cost)")
     parser.add_argument("--python-bookkeeping", action="store_true",
                         help="run adaptive's ghost list and per-block bookkeeping in Python "
                              "even where the package built them in C (the same decisions, "
                              "more cost)")
     parser.add_argument("--python-fit", action="store_true",
-                        help="run document-liveness's model fit in Python even where the "
-                             "package built it in C (the same decisions, more cost)")
+                        help="run the liveness model's fit (document-liveness's and "
+                             "adaptive's) in Python even where the package built it in C "
+                             "(the same decisions, more cost)")
     args = parser.parse_args(argv)
     if args.requests <= MAX_LIVE:  # the free operation would have no sample to summarise
         parser.error(f"--requests must be at least {MAX_LIVE + 1}: a request is freed "
@@ -370,10 +377,12 @@ def run(argv: list[str] | None) -> int:
     if args.python_shadows:
         AdaptiveFreeBlockQueue.shadow_type = PythonShadowSegmentedLRU
         AdaptiveFreeBlockQueue.sampled_hashes = staticmethod(python_sampled_hashes)
+        AdaptiveFreeBlockQueue.liveness_shadow_type = PythonShadowLivenessOrder
     if args.python_bookkeeping:
         AdaptiveFreeBlockQueue.ghost_list_type = PythonGhostList
         AdaptiveFreeBlockQueue.note_taken = staticmethod(python_note_taken)
         AdaptiveFreeBlockQueue.sort_released = staticmethod(python_sort_released)
+        AdaptiveFreeBlockQueue.mark_hashed = staticmethod(python_mark_hashed)
     if args.python_fit:
         DocumentLivenessModel.native_fit = None
     prompts = make_prompts(args.requests)
@@ -422,6 +431,7 @@ def run(argv: list[str] | None) -> int:
                                      "warmup_requests": args.policy_warmup,
                                      "timed_requests": args.requests,
                                      "adaptive_shadows": ("c" if NATIVE_SHADOWS
+                                                          and NATIVE_LIVENESS_SHADOW
                                                           and not args.python_shadows
                                                           else "python"),
                                      "adaptive_bookkeeping": (

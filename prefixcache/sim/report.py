@@ -65,8 +65,11 @@ def format_adaptive(state: dict) -> str:
     shares = ", ".join(f"{label}: {part:.1%}"
                        for label, part in state["candidate_hit_shares"].items())
     low_reuse = ", low-reuse content first" if state.get("low_reuse_first") else ""
-    return (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse}, "
-            f"ghost {state['ghost_factor']}x at the end; shadow hits by candidate: {shares}")
+    segments = (f"protected share {state['protected_fraction']:.0%}{low_reuse}, "
+                f"ghost {state['ghost_factor']}x")
+    followed = (f"the document liveness order (segments kept: {segments})"
+                if state.get("liveness_order") else segments)
+    return f"adaptive: {followed} at the end; shadow hits by candidate: {shares}"
 
 
 def format_learned_reuse(state: dict) -> str:

@@ -1,5 +1,5 @@
-"""``adaptive``'s per-block bookkeeping: the ghost list, ``note_taken`` and
-``sort_released``, in Python (the reference) and in C (the same contract, checked here
+"""``adaptive``'s per-block bookkeeping: the ghost list, ``note_taken``, ``sort_released``
+and ``mark_hashed``, in Python (the reference) and in C (the same contract, checked here
 against the reference and against an OrderedDict)."""
 
 from __future__ import annotations
@@ -286,3 +286,51 @@ def test_adaptive_uses_the_c_bookkeeping_where_it_is_built():
                 else PythonGhostList)
     assert AdaptiveFreeBlockQueue.ghost_list_type is expected
     assert type(AdaptiveFreeBlockQueue([KVCacheBlock(0)]).ghost) is expected
+
+
+MARK_HASHED = [
+    pytest.param(adaptive_bookkeeping.python_mark_hashed, id="python"),
+    pytest.param(adaptive_bookkeeping.native_mark_hashed, id="c", marks=needs_c)]
+
+
+@pytest.mark.parametrize("mark_hashed", MARK_HASHED)
+def test_mark_hashed_sets_only_blocks_holding_a_hash(mark_hashed):
+    blocks = [KVCacheBlock(i) for i in (4, 0, 2, 3)]
+    blocks[0].block_hash, blocks[2].block_hash = key(1), key(2)
+    first, second = (1, 2.0, 3), (4, 5.0, 6)
+    per_block = ["untouched"] * 5
+    mark_hashed(blocks, per_block, first)
+    assert per_block == ["untouched", "untouched", first, "untouched", first]
+    assert per_block[4] is first
+    blocks[3].block_hash = key(3)
+    mark_hashed(blocks[2:], per_block, second)
+    assert per_block == ["untouched", "untouched", second, second, first]
+    mark_hashed([], per_block, first)
+    assert per_block[2] is second
+
+
+@pytest.mark.parametrize("mark_hashed", MARK_HASHED)
+def test_mark_hashed_refuses_a_block_beyond_the_list(mark_hashed):
+    inside, beyond = KVCacheBlock(0), KVCacheBlock(3)
+    inside.block_hash = beyond.block_hash = key(1)
+    per_block = [None] * 3
+    with pytest.raises(IndexError):
+        mark_hashed([inside, beyond], per_block, "value")
+    assert per_block == ["value", None, None]  # the blocks before the failing one are done
+
+
+@needs_c
+def test_the_c_mark_hashed_keeps_references_right():
+    native = adaptive_bookkeeping.native_mark_hashed
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    for block in blocks:
+        block.block_hash = key(block.block_id)
+    old, new = [0], [1]
+    per_block = [old] * 3
+    before = sys.getrefcount(old), sys.getrefcount(new)
+    native(blocks, per_block, new)
+    assert sys.getrefcount(old) == before[0] - 3 and sys.getrefcount(new) == before[1] + 3
+    with pytest.raises(TypeError):
+        native(tuple(blocks), per_block, new)
+    with pytest.raises(TypeError):
+        native(blocks, tuple(per_block), new)

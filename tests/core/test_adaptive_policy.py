@@ -3,6 +3,8 @@ content first, follow sampled shadow caches."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
@@ -15,8 +17,13 @@ from prefixcache.core.eviction.adaptive import (
 from prefixcache.core.eviction.adaptive_bookkeeping import (
     NATIVE_BOOKKEEPING,
     PythonGhostList,
+    python_mark_hashed,
     python_note_taken,
     python_sort_released,
+)
+from prefixcache.core.eviction.liveness_order import (
+    NATIVE_LIVENESS_SHADOW,
+    PythonShadowLivenessOrder,
 )
 from prefixcache.core.eviction.shadow import (
     NATIVE_SHADOWS,
@@ -134,18 +141,24 @@ def run_in_python(patch: pytest.MonkeyPatch, parts: str) -> None:
         patch.setattr(AdaptiveFreeBlockQueue, "shadow_type", PythonShadowSegmentedLRU)
         patch.setattr(AdaptiveFreeBlockQueue, "sampled_hashes",
                       staticmethod(python_sampled_hashes))
+    elif parts == "liveness shadow":
+        patch.setattr(AdaptiveFreeBlockQueue, "liveness_shadow_type",
+                      PythonShadowLivenessOrder)
     else:
         patch.setattr(AdaptiveFreeBlockQueue, "ghost_list_type", PythonGhostList)
         patch.setattr(AdaptiveFreeBlockQueue, "note_taken", staticmethod(python_note_taken))
         patch.setattr(AdaptiveFreeBlockQueue, "sort_released",
                       staticmethod(python_sort_released))
+        patch.setattr(AdaptiveFreeBlockQueue, "mark_hashed", staticmethod(python_mark_hashed))
 
 
 @pytest.mark.parametrize("parts", [
     pytest.param("shadows", marks=pytest.mark.skipif(
         not NATIVE_SHADOWS, reason="built without a C compiler")),
     pytest.param("bookkeeping", marks=pytest.mark.skipif(
-        not NATIVE_BOOKKEEPING, reason="built without a C compiler"))])
+        not NATIVE_BOOKKEEPING, reason="built without a C compiler")),
+    pytest.param("liveness shadow", marks=pytest.mark.skipif(
+        not NATIVE_LIVENESS_SHADOW, reason="built without a C compiler"))])
 def test_the_c_parts_change_no_decision(tmp_path, monkeypatch, parts):
     """A replay under the C shadows and sample, or the C bookkeeping, is the replay under
     the Python ones, hit for hit, choice for choice (small shadows, so that the sample
@@ -196,9 +209,10 @@ def test_reset_forgets_shadows_but_keeps_the_choice():
     most_protected = max(CANDIDATE_PROTECTED_FRACTIONS)
     queue.leader = next(i for i, candidate in enumerate(CANDIDATES)
                         if candidate.protected_fraction == most_protected)
+    queue._follow(CANDIDATES[queue.leader])
     run_prompt(manager, "a", list(range(40)))
     assert manager.reset_prefix_cache()
-    assert all(not len(shadow) and not shadow.ghost for shadow in queue.shadows)
+    assert all(not len(shadow) and not getattr(shadow, "ghost", ()) for shadow in queue.shadows)
     assert queue.upper.num_free_blocks == 0
     assert queue.current_protected_fraction == most_protected
 
@@ -213,8 +227,13 @@ def test_memory_stays_bounded_under_endless_new_content(monkeypatch):
         if i % 3 == 0:  # and a prompt seen before, so something is protected
             run_prompt(manager, f"again{i}", [100 * (i // 2) + t for t in range(25)])
     assert len(queue.ghost) <= queue.ghost_factor * 64
-    for shadow in queue.shadows:
+    assert len(queue.documents.documents) <= queue.max_documents
+    assert len(queue.release_parts) == queue.num_block_ids
+    for shadow, candidate in zip(queue.shadows, CANDIDATES, strict=True):
         assert shadow.capacity == 8
+        assert len(shadow) <= shadow.capacity
+        if candidate.liveness:
+            continue
         assert len(shadow.probation) + len(shadow.protected) <= shadow.capacity
         # The shadow's ghost is as many times its size as the real queue's is the pool's.
         assert len(shadow.ghost) <= queue.ghost_factor * shadow.capacity
@@ -255,3 +274,79 @@ def test_a_recomputation_is_protected_only_within_the_reach_followed(ghost_facto
         assert not set(hashes) & protected
     # Either way the recomputation was seen: the ghost entries are gone.
     assert not any(h in queue.ghost for h in hashes)
+
+
+LIVENESS = next(i for i, candidate in enumerate(CANDIDATES) if candidate.liveness)
+
+
+def follow(queue: AdaptiveFreeBlockQueue, index: int) -> None:
+    queue.leader = index
+    queue._follow(CANDIDATES[index])
+
+
+def assert_whole(manager: KVCacheManager) -> None:
+    """The queue holds exactly the pool's free blocks, in the segments and, while it is
+    followed, in the liveness order."""
+    queue = manager.block_pool.free_block_queue
+    free = {b.block_id for b in manager.block_pool.blocks if b.ref_cnt == 0}
+    segments = [b.block_id for b in queue._segment_blocks()]
+    assert sorted(segments) == sorted(free) and queue.num_free_blocks == len(free)
+    if queue.follows_liveness:
+        ordered = [b.block_id for b in queue.get_all_free_blocks()]
+        assert sorted(ordered) == sorted(free)
+        assert queue.liveness_queue.num_free_blocks == len(free)
+
+
+def test_following_the_liveness_order_evicts_in_it_and_keeps_the_segments_whole():
+    manager = make_manager(40)
+    queue = manager.block_pool.free_block_queue
+    rng = random.Random(3)
+    documents = [[100_000 * d + t for t in range(13)] for d in range(12)]
+
+    def ask(i: int) -> None:
+        document = rng.choice(documents)
+        run_prompt(manager, f"r{i}", document + [rng.randrange(10_000) for _ in range(5)],
+                   rng.choice([1, 40]))
+
+    for i in range(60):
+        ask(i)
+    follow(queue, LIVENESS)
+    assert queue.follows_liveness and queue.policy_state()["liveness_order"]
+    # The segments keep the best of the other orders.
+    assert not queue.segments_candidate.liveness
+    assert_whole(manager)
+    # Every take comes from the front of the liveness order.
+    num_taken = []
+    take = queue.popleft_n
+
+    def checked_take(n: int) -> list:
+        expected = [b.block_id for b in queue.get_all_free_blocks()][:n]
+        taken = take(n)
+        assert [b.block_id for b in taken] == expected
+        num_taken.append(n)
+        return taken
+
+    queue.popleft_n = checked_take
+    for i in range(60, 160):
+        ask(i)
+        assert_whole(manager)
+    assert sum(num_taken) > 200
+    del queue.popleft_n
+    follow(queue, 0)
+    assert not queue.follows_liveness and queue.liveness_queue is None
+    assert_whole(manager)
+    assert queue.get_all_free_blocks() == queue._segment_blocks()
+
+
+def test_a_reset_while_following_the_liveness_order_empties_it():
+    manager = make_manager(24)
+    queue = manager.block_pool.free_block_queue
+    run_prompt(manager, "a", list(range(40)), 3)
+    follow(queue, LIVENESS)
+    assert manager.reset_prefix_cache()
+    assert queue.follows_liveness
+    assert all(b.block_hash is None for b in queue.get_all_free_blocks())
+    assert_whole(manager)
+    assert queue.documents.documents  # what was learned about documents is kept
+    run_prompt(manager, "b", list(range(40)), 3)
+    assert_whole(manager)

@@ -25,7 +25,15 @@ from benchmarks.manager_overhead import (
     run_workload,
 )
 from prefixcache.core.eviction.adaptive import AdaptiveFreeBlockQueue
-from prefixcache.core.eviction.adaptive_bookkeeping import NATIVE_BOOKKEEPING, PythonGhostList
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    NATIVE_BOOKKEEPING,
+    PythonGhostList,
+    python_mark_hashed,
+)
+from prefixcache.core.eviction.liveness_order import (
+    NATIVE_LIVENESS_SHADOW,
+    PythonShadowLivenessOrder,
+)
 from prefixcache.core.eviction.shadow import NATIVE_SHADOWS, PythonShadowSegmentedLRU
 
 # The smallest pool the workload fits in: the live requests beside the one admitted.
@@ -128,16 +136,22 @@ def test_the_fewest_requests_accepted_are_measured(capsys):
 
 @pytest.mark.parametrize("flag, field, attribute, python_type, native", [
     ("", "adaptive_shadows", "shadow_type", PythonShadowSegmentedLRU, NATIVE_SHADOWS),
+    ("", "adaptive_shadows", "liveness_shadow_type", PythonShadowLivenessOrder,
+     NATIVE_SHADOWS and NATIVE_LIVENESS_SHADOW),
     ("--python-shadows", "adaptive_shadows", "shadow_type", PythonShadowSegmentedLRU, False),
+    ("--python-shadows", "adaptive_shadows", "liveness_shadow_type",
+     PythonShadowLivenessOrder, False),
     ("--python-bookkeeping", "adaptive_bookkeeping", "ghost_list_type", PythonGhostList,
+     False),
+    ("--python-bookkeeping", "adaptive_bookkeeping", "mark_hashed", python_mark_hashed,
      False),
     ("", "adaptive_bookkeeping", "ghost_list_type", PythonGhostList, NATIVE_BOOKKEEPING)])
 def test_the_report_says_which_of_adaptives_parts_ran_in_c(monkeypatch, capsys, flag, field,
                                                            attribute, python_type, native):
     # The flags swap adaptive's class attributes for the script's process: have
     # monkeypatch put them back after the test.
-    for name in ("shadow_type", "sampled_hashes", "ghost_list_type", "note_taken",
-                 "sort_released"):
+    for name in ("shadow_type", "sampled_hashes", "liveness_shadow_type", "ghost_list_type",
+                 "note_taken", "sort_released", "mark_hashed"):
         monkeypatch.setattr(AdaptiveFreeBlockQueue, name, AdaptiveFreeBlockQueue.__dict__[name])
     argv = ["--requests", str(MAX_LIVE + 1), "--repeats", "1", "--quick", "--policies",
             "adaptive", "--policy-num-blocks", str(MIN_BLOCKS), "--policy-warmup", "0"]

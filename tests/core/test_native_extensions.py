@@ -14,6 +14,7 @@ import pytest
 
 EXTENSIONS = ["prefixcache.core.eviction._shadow_native",
               "prefixcache.core.eviction._adaptive_bookkeeping_native",
+              "prefixcache.core.eviction._key_order_shadow_native",
               "prefixcache.core.eviction._liveness_fit_native"]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import eviction_suite
 from benchmarks.eviction_suite import (
+    ADAPTIVE_VARIANTS,
     QUICK_FRACTIONS,
     REGISTERED,
     best_candidate_figures,
@@ -20,7 +21,7 @@ from benchmarks.eviction_suite import (
     sweep_adaptive_with,
 )
 from prefixcache.core import EVICTION_POLICIES
-from prefixcache.core.eviction.adaptive import CANDIDATES, AdaptiveFreeBlockQueue
+from prefixcache.core.eviction.adaptive import CANDIDATES, AdaptiveFreeBlockQueue, Candidate
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.prepared import prepare_trace
@@ -293,3 +294,20 @@ def test_policies_are_read_with_spaces_and_repeats(capsys):
         capsys, [*TINY_RUN, "--policies", " lru, adaptive,lru,,adaptive "])
     assert exit_code == 0
     assert list(output["traces"]["chat"]["policy_hit_rates"]) == ["lru", "adaptive"]
+
+
+@pytest.mark.parametrize("variant, reach", [("ghost-2", 2), ("ghost-4", 4)])
+def test_one_reach_variants_change_only_the_reach(variant, reach):
+    """A one-reach variant is every segment order of the registered set at that reach,
+    each once, and the liveness order as registered: it differs from the registered
+    candidates in the reach alone."""
+    candidates = ADAPTIVE_VARIANTS[variant]["candidates"]
+    segment_orders = [c for c in candidates if not c.liveness]
+    assert all(c.ghost_factor == reach for c in segment_orders)
+    assert ({(c.protected_fraction, c.low_reuse_first) for c in segment_orders}
+            == {(c.protected_fraction, c.low_reuse_first) for c in CANDIDATES
+                if not c.liveness})
+    assert len(segment_orders) == len({(c.protected_fraction, c.low_reuse_first)
+                                       for c in segment_orders})
+    assert [c for c in candidates if c.liveness] == [c for c in CANDIDATES if c.liveness]
+    assert Candidate(0.0, False, liveness=True) in candidates

@@ -1,7 +1,7 @@
 /* adaptive's per-block bookkeeping in C.
  *
- * GhostList, note_taken and sort_released here keep the contracts of PythonGhostList,
- * python_note_taken and python_sort_released in adaptive_bookkeeping.py, which are the
+ * GhostList, note_taken, sort_released and mark_hashed here keep the contracts of
+ * PythonGhostList and the python_ functions in adaptive_bookkeeping.py, which are the
  * reference: the same entries in the same order, the same lists, decision for decision
  * (tests/core/test_adaptive_bookkeeping.py runs both). They exist for speed: adaptive does
  * this for every block the pool takes and every block a request releases, and in Python
@@ -588,9 +588,62 @@ sort_released(PyObject *Py_UNUSED(module), PyObject *args)
     return out;
 }
 
+PyDoc_STRVAR(mark_hashed_doc,
+"mark_hashed(blocks, per_block, value) -> None\n\n"
+"For each block of the list `blocks` holding a hash, in order: per_block[block_id] =\n"
+"value (per_block a list indexed by block id). After an error, the blocks before the\n"
+"failing one are done.");
+
+static PyObject *
+mark_hashed(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *blocks, *per_block, *value;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &blocks, &PyList_Type, &per_block,
+                          &value))
+        return NULL;
+    /* Replaced values are released at the end: releasing one may run code that changes
+     * the lists. */
+    PyObject *replaced = PyList_New(0);
+    if (replaced == NULL)
+        return NULL;
+    int failed = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
+        PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));
+        PyObject *block_hash = PyObject_GetAttr(block, str_block_hash);
+        if (block_hash == NULL) {
+            failed = 1;
+        }
+        else if (block_hash != Py_None) {
+            PyObject *id_object = PyObject_GetAttr(block, str_block_id);
+            Py_ssize_t block_id = id_object ? PyLong_AsSsize_t(id_object) : -1;
+            Py_XDECREF(id_object);
+            if (block_id == -1 && PyErr_Occurred()) {
+                failed = 1;
+            }
+            else if (block_id < 0 || block_id >= PyList_GET_SIZE(per_block)) {
+                PyErr_Format(PyExc_IndexError, "block id %zd is out of range", block_id);
+                failed = 1;
+            }
+            else {
+                PyObject *old = PyList_GET_ITEM(per_block, block_id);
+                PyList_SET_ITEM(per_block, block_id, Py_NewRef(value));
+                failed = PyList_Append(replaced, old) < 0;
+                Py_DECREF(old);
+            }
+        }
+        Py_XDECREF(block_hash);
+        Py_DECREF(block);
+    }
+    Py_DECREF(replaced);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"note_taken", note_taken, METH_VARARGS, note_taken_doc},
     {"sort_released", sort_released, METH_VARARGS, sort_released_doc},
+    {"mark_hashed", mark_hashed, METH_VARARGS, mark_hashed_doc},
     {NULL, NULL, 0, NULL},
 };
 

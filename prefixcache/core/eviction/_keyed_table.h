@@ -47,7 +47,7 @@ keyed_entry(const KeyedTable *table, Py_ssize_t index)
 
 /* -- lists ---------------------------------------------------------------------------- */
 
-static void
+static inline void
 keyed_list_append(KeyedTable *table, KeyedList *list, Py_ssize_t index)
 {
     KeyedEntry *e = keyed_entry(table, index);
@@ -61,7 +61,7 @@ keyed_list_append(KeyedTable *table, KeyedList *list, Py_ssize_t index)
     list->size++;
 }
 
-static void
+static inline void
 keyed_list_unlink(KeyedTable *table, KeyedList *list, Py_ssize_t index)
 {
     KeyedEntry *e = keyed_entry(table, index);
@@ -78,7 +78,7 @@ keyed_list_unlink(KeyedTable *table, KeyedList *list, Py_ssize_t index)
 
 /* -- the table ------------------------------------------------------------------------ */
 
-static int
+static inline int
 keyed_table_place_all(KeyedTable *table, size_t num_slots)
 {
     Py_ssize_t *slots = PyMem_Malloc(num_slots * sizeof(Py_ssize_t));
@@ -104,7 +104,7 @@ keyed_table_place_all(KeyedTable *table, size_t num_slots)
 }
 
 /* An empty table of entries of entry_size bytes; 0, or -1 with MemoryError set. */
-static int
+static inline int
 keyed_table_init(KeyedTable *table, size_t entry_size)
 {
     Py_ssize_t num_entries = 64;
@@ -126,7 +126,7 @@ keyed_table_init(KeyedTable *table, size_t entry_size)
 }
 
 /* Room for one more key: the table at most half full, and a free entry. */
-static int
+static inline int
 keyed_table_make_room(KeyedTable *table)
 {
     if ((size_t)(table->num_keys + 1) * 2 > table->slot_mask + 1) {
@@ -155,7 +155,7 @@ keyed_table_make_room(KeyedTable *table)
 }
 
 /* The entry holding `key` (exact bytes), or NONE with *slot where it would go. */
-static Py_ssize_t
+static inline Py_ssize_t
 keyed_table_find(const KeyedTable *table, PyObject *key, Py_hash_t hash, size_t *slot)
 {
     Py_ssize_t size = PyBytes_GET_SIZE(key);
@@ -178,7 +178,7 @@ keyed_table_find(const KeyedTable *table, PyObject *key, Py_hash_t hash, size_t 
 
 /* Add `key` at `slot` (from keyed_table_find, after keyed_table_make_room); returns its
  * entry, in no list yet. */
-static Py_ssize_t
+static inline Py_ssize_t
 keyed_table_insert(KeyedTable *table, PyObject *key, Py_hash_t hash, size_t slot)
 {
     Py_ssize_t index = table->free_entry;
@@ -196,7 +196,7 @@ keyed_table_insert(KeyedTable *table, PyObject *key, Py_hash_t hash, size_t slot
 }
 
 /* Drop entry `index`, already out of its list: its slot and its key. */
-static void
+static inline void
 keyed_table_delete(KeyedTable *table, Py_ssize_t index)
 {
     KeyedEntry *e = keyed_entry(table, index);
@@ -233,7 +233,7 @@ shifted:;
 }
 
 /* Drop every key (the caller has dropped what its entries add) and empty the slots. */
-static void
+static inline void
 keyed_table_clear(KeyedTable *table)
 {
     for (Py_ssize_t index = 0; index < table->num_entries_used; index++)
@@ -246,7 +246,7 @@ keyed_table_clear(KeyedTable *table)
 }
 
 /* Free the arrays after keyed_table_clear (or with no keys ever added). */
-static void
+static inline void
 keyed_table_free(KeyedTable *table)
 {
     PyMem_Free(table->entries);

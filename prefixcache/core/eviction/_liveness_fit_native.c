@@ -115,6 +115,7 @@ fit(PyObject *module, PyObject *args)
     long span = now - origin + 1; /* the releases the states span, from offset 0 */
     long *starts = NULL, *continued_at = NULL, *classes = NULL, *parents[NUM_LEVELS] = {0};
     long *events = NULL, *trials = NULL, *bin_ends = NULL, *waiting = NULL;
+    long *start_offsets = NULL, *end_offsets = NULL;
     double *leaf_p = NULL, *rates = NULL, *weights = NULL, *at_bin_start = NULL;
     double *successes = NULL, *estimates[NUM_LEVELS] = {0}, *change = NULL, *exposure = NULL;
     Py_ssize_t num_classes[NUM_LEVELS];
@@ -186,23 +187,29 @@ fit(PyObject *module, PyObject *args)
     waiting = PyMem_Malloc(sizeof(long) * 5 * n_alloc);
     weights = PyMem_Malloc(sizeof(double) * n_alloc);
     at_bin_start = PyMem_Malloc(sizeof(double) * (bins_alloc + 1));
-    successes = PyMem_Malloc(sizeof(double) * (size_t)(largest_level + 1));
+    successes = PyMem_Malloc(sizeof(double) * NUM_LEVELS * (size_t)(largest_level + 1));
+    start_offsets = PyMem_Malloc(sizeof(long) * n_alloc);
+    end_offsets = PyMem_Malloc(sizeof(long) * n_alloc);
     change = PyMem_Malloc(sizeof(double) * (size_t)(span + 1));
     exposure = PyMem_Malloc(sizeof(double) * bins_alloc);
     for (int level = 0; level < NUM_LEVELS; level++)
         estimates[level] = PyMem_Malloc(sizeof(double) * (size_t)(num_classes[level] + 1));
     if (!events || !bin_ends || !trials || !waiting || !weights || !at_bin_start || !successes
-            || !change || !exposure || !estimates[0] || !estimates[1] || !estimates[2]) {
+            || !start_offsets || !end_offsets || !change || !exposure || !estimates[0]
+            || !estimates[1] || !estimates[2]) {
         PyErr_NoMemory();
         goto done;
     }
 
-    /* What is the same in every iteration: each waiting state's bins (the last bin's rate
-     * runs on beyond it), the continuations per bin, the trials per class. */
+    /* What is the same in every iteration: each state's start and end as offsets from
+     * the origin, each waiting state's bins (the last bin's rate runs on beyond it), the
+     * continuations per bin, the trials per class. */
     long last_bin = (long)num_bins - 1;
     Py_ssize_t num_waiting = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         long start = starts[i] - origin;
+        start_offsets[i] = start;
+        end_offsets[i] = (continued_at[i] >= 0 ? continued_at[i] : now) - origin;
         if (continued_at[i] >= 0) {
             long bin = (continued_at[i] - origin) / width;
             if (bin > last_bin) {
@@ -245,33 +252,37 @@ fit(PyObject *module, PyObject *args)
             double rest = alive + 1.0 - p;
             weights[w[0]] = alive / (1e-12 > rest ? 1e-12 : rest);
         }
-        /* M: p per class, each shrunk towards its parent's. */
+        /* M: every sum over the states in one pass (each sum still adds its terms in
+         * state order, so each is the same double as a loop of its own gives): the
+         * total, the successes per class at each level, and the change in the expected
+         * alive count at each release. */
         double total = 0.0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            total += weights[i];
+        for (Py_ssize_t c = 0; c < NUM_LEVELS * (largest_level + 1); c++)
+            successes[c] = 0.0;
+        for (long offset = 0; offset <= span; offset++)
+            change[offset] = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double weight = weights[i];
+            const long *path = &classes[i * NUM_LEVELS];
+            total += weight;
+            for (int level = 0; level < NUM_LEVELS; level++)
+                successes[level * (largest_level + 1) + path[level]] += weight;
+            change[start_offsets[i]] += weight;
+            change[end_offsets[i]] -= weight;
+        }
+        /* p per class, each shrunk towards its parent's. */
         overall = (total + 1.0) / ((double)n + 2.0);
         for (int level = 0; level < NUM_LEVELS; level++) {
-            for (Py_ssize_t c = 0; c < num_classes[level]; c++)
-                successes[c] = 0.0;
-            for (Py_ssize_t i = 0; i < n; i++)
-                successes[classes[i * NUM_LEVELS + level]] += weights[i];
+            const double *level_successes = &successes[level * (largest_level + 1)];
             const long *level_trials = &trials[level * (largest_level + 1)];
             for (Py_ssize_t c = 0; c < num_classes[level]; c++) {
                 double prior = level == 0 ? overall : estimates[level - 1][parents[level][c]];
-                estimates[level][c] = (successes[c] + prior_weight * prior)
+                estimates[level][c] = (level_successes[c] + prior_weight * prior)
                                       / ((double)level_trials[c] + prior_weight);
             }
         }
         leaf = estimates[2];
-        /* M: the rate per bin, continuations over the expected alive exposure. */
-        for (long offset = 0; offset <= span; offset++)
-            change[offset] = 0.0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            long start = starts[i] - origin;
-            long end = (continued_at[i] >= 0 ? continued_at[i] : now) - origin;
-            change[start] += weights[i];
-            change[end] -= weights[i];
-        }
+        /* The rate per bin, continuations over the expected alive exposure. */
         double alive_count = 0.0;
         long offset = 0;
         for (Py_ssize_t j = 0; j < num_bins; j++) {
@@ -306,6 +317,8 @@ done:
     PyMem_Free(weights);
     PyMem_Free(at_bin_start);
     PyMem_Free(successes);
+    PyMem_Free(start_offsets);
+    PyMem_Free(end_offsets);
     PyMem_Free(change);
     PyMem_Free(exposure);
     for (int level = 0; level < NUM_LEVELS; level++) {

@@ -29,34 +29,46 @@ candidate (:data:`CANDIDATES`) is a triple:
   count at its eviction, so a switch changes the reach at once. A recomputation beyond
   the reach followed goes to probation (it still counts for the reuse estimate).
 
-Which candidate holds is decided by *shadow caches*, one per candidate: hash-only segmented
-LRUs (no KV, no blocks) of ``sample_rate * num_blocks`` entries, each with a ghost list
-of its candidate's reach in its own cache-fulls (``ghost_factor`` times its size), fed
-with the hashes, among each finished request's block hashes, whose last byte is below
-``256 * sample_rate`` (spatial sampling: a hash is always in or always out, so the
-shadows see a consistent miniature of the traffic), each told which of them the real
-queue judged low-reuse. A shadow counts a hit for a sampled hash it holds when the
-request comes back. Every shadow's hit count decays by half each time the shadows have
-seen ``decay_factor`` times their capacity in sampled hashes, so the choice follows the
-traffic as it changes. The queue follows the candidate with the most decayed hits, but
-leaves the current one only for a candidate ahead by more than ``switch_margin`` of its
-count (noise in the sample must not make it flap). It starts at the first candidate, the
-design's order with empty blocks first.
+The last candidate is not a segment order: the *liveness order* (``liveness_order.py``),
+``document-liveness``'s key without its depth term, from a
+:class:`~prefixcache.core.eviction.document_liveness_model.DocumentLivenessModel` fed with
+every finished request whichever candidate is followed (each block holding content
+remembers the parts of its last release). While it is followed, the free blocks are also
+held in a :class:`~prefixcache.core.eviction.liveness_order.LivenessOrderQueue`, built
+from them when it takes the lead and dropped when it loses it, and taken from there; the
+segments keep, for a switch back, the order of whichever other candidate's shadow had the
+most hits when it took the lead.
+
+Which candidate holds is decided by *shadow caches*, one per candidate: hash-only
+segmented LRUs (for the liveness order, a hash-only cache in that order; no KV, no blocks)
+of ``sample_rate * num_blocks`` entries, each with a ghost list of its candidate's reach
+in its own cache-fulls (``ghost_factor`` times its size), fed with the hashes, among each
+finished request's block hashes, whose last byte is below ``256 * sample_rate`` (spatial
+sampling: a hash is always in or always out, so the shadows see a consistent miniature of
+the traffic), each told which of them the real queue judged low-reuse. A shadow counts a
+hit for a sampled hash it holds when the request comes back. Every shadow's hit count
+decays by half each time the shadows have seen ``decay_factor`` times their capacity in
+sampled hashes, so the choice follows the traffic as it changes. The queue follows the
+candidate with the most decayed hits, but leaves the current one only for a candidate
+ahead by more than ``switch_margin`` of its count (noise in the sample must not make it
+flap). It starts at the first candidate, the design's order with empty blocks first.
 
 Cost: per block taken, a ghost-list entry if it held content; per block released, a
-byte-array read and a ghost-list lookup; per finished request, one byte comparison per
-block hash and, for the sampled hashes (``sample_rate`` of them), a few table and list
-operations per shadow. The shadows, the sample and the per-block work run in C where the
-package was built with a compiler, in Python otherwise, with the same decisions
-(``shadow.py``, ``adaptive_bookkeeping.py``). Memory: the
-real queue's ghost list (the longest reach times ``num_blocks`` hashes, each with its
-eviction count and the signature of its content when it was still unproven), two bytes
-and one slot per block, a few counters per signature, plus, per shadow, at most
-``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and ghost;
-``sample_rate * num_blocks`` is about ``shadow_entries``, and at least
-``num_blocks / 256``). A prefix-cache reset empties the shadows as well as the
-queue's marks and ghost; the learned scores, the reuse estimate and the choice are kept.
-"""
+byte-array read, a ghost-list lookup and a note of its release; per finished request, the
+liveness model's bookkeeping (a document lookup and a state; every ``refit_every``
+requests a fit over its states), one byte comparison per block hash and, for the sampled
+hashes (``sample_rate`` of them), a few table and list operations per shadow. The shadows,
+the sample and the per-block work run in C where the package was built with a compiler, in
+Python otherwise, with the same decisions (``shadow.py``, ``liveness_order.py``,
+``adaptive_bookkeeping.py``). While the liveness order is followed, each block taken, hit
+or released also moves in its queue. Memory: the real queue's ghost list (the longest
+reach times ``num_blocks`` hashes, each with its eviction count and the signature of its
+content when it was still unproven), two bytes and two slots per block, a few counters per
+signature, the liveness model's states and at most ``max_documents`` documents, plus, per
+shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and
+ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and at least ``num_blocks
+/ 256``). A prefix-cache reset empties the shadows as well as the queue's marks and ghost;
+the learned scores and estimates and the choice are kept. """
 
 from __future__ import annotations
 
@@ -64,9 +76,22 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixcache.core.block import KVCacheBlock
-from prefixcache.core.eviction.adaptive_bookkeeping import GhostList, note_taken, sort_released
+from prefixcache.core.eviction.adaptive_bookkeeping import (
+    GhostList,
+    mark_hashed,
+    note_taken,
+    sort_released,
+)
 from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
+from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
+from prefixcache.core.eviction.document_tracker import DocumentTracker
 from prefixcache.core.eviction.learned_reuse import output_length_signature
+from prefixcache.core.eviction.liveness_order import (
+    UNKNOWN_CLASS,
+    LivenessOrderQueue,
+    ReleaseParts,
+    ShadowLivenessOrder,
+)
 from prefixcache.core.eviction.segmented import (
     TwoQueueFreeBlockQueue,
     TwoSegmentFreeBlockQueue,
@@ -85,27 +110,36 @@ class Candidate(NamedTuple):
     #: Content recomputed while its hash was evicted within the last ``ghost_factor``
     #: cache-fulls of evictions counts as referenced again.
     ghost_factor: int = 4
+    #: The liveness order (liveness_order.py) instead of the segments; the other fields
+    #: are then unused.
+    liveness: bool = False
 
     @property
     def label(self) -> str:
+        if self.liveness:
+            return "document liveness"
         return (f"{self.protected_fraction:.0%} protected"
                 + (", low-reuse first" if self.low_reuse_first else "")
                 + f", ghost {self.ghost_factor}x")
 
 
 #: The orders the queue chooses among: the design's LRU order, a segmented LRU with half
-#: the blocks protected, the LRU order with low-reuse content first, and ``2q``'s (90 %
+#: the blocks protected, the LRU order with low-reuse content first, ``2q``'s (90 %
 #: protected) with low-reuse content first at two reaches of the ghost list: ``2q``'s 2
-#: cache-fulls and twice that. How far back a recomputation still earns protection
-#: depends on the traffic: far, where a conversation's next turn comes after thousands
-#: of other blocks; not as far, where protecting everything seen twice would crowd out
-#: what is used next. ``2q``'s own order is left out: until some kind of request is judged
-#: low-reuse, its low-reuse-first twin orders blocks exactly as it does, and every
-#: candidate costs a shadow cache fed on every request.
+#: cache-fulls and twice that, and the liveness order, which ranks content by whether its
+#: document is still being asked about rather than by recency. How far back a
+#: recomputation still earns protection depends on the traffic: far, where a
+#: conversation's next turn comes after thousands of other blocks; not as far, where
+#: protecting everything seen twice would crowd out what is used next. ``2q``'s own order
+#: is left out: until some kind of request is judged low-reuse, its low-reuse-first twin
+#: orders blocks exactly as it does, and every candidate costs a shadow cache fed on every
+#: request.
 CANDIDATES = (Candidate(0.0, False), Candidate(0.5, False), Candidate(0.0, True),
-              Candidate(0.9, True, 2), Candidate(0.9, True, 4))
+              Candidate(0.9, True, 2), Candidate(0.9, True, 4),
+              Candidate(0.0, False, liveness=True))
 #: The protected shares among :data:`CANDIDATES`, in order, without repeats.
-CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES))
+CANDIDATE_PROTECTED_FRACTIONS = tuple(dict.fromkeys(c.protected_fraction for c in CANDIDATES
+                                                    if not c.liveness))
 
 # Where a free block is: in_upper's values (TwoSegmentFreeBlockQueue uses 0 and 1).
 _IN_LOWER, _IN_UPPER, _IN_FIRST = 0, 1, 2
@@ -119,8 +153,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     docstring)."""
 
     policy_name = "adaptive"
-    summary = ("follows online whichever of five recency and protection orders would have"
-               " hit most")
+    summary = ("follows online whichever of six orders (recency and protection, or document"
+               " liveness) would have hit most")
     shadow_entries = 320  # entries per shadow: sample_rate = shadow_entries / num_blocks
     decay_factor = 4
     switch_margin = 0.02
@@ -128,6 +162,11 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # num_blocks.
     reuse_memory_factor = 8
     candidates: tuple[Candidate, ...] = CANDIDATES  # the first is followed at start
+    # Documents the liveness model remembers (the least recently asked about forgotten
+    # first), and the states it fits on: half of document-liveness's, since every fit
+    # runs over all of them and this model runs whichever candidate is followed.
+    max_documents = 20_000
+    liveness_max_states = 2_500
     # The shadows and the sample, in C when the package was built with a compiler (the
     # same decisions either way: shadow.py).
     shadow_type = ShadowSegmentedLRU
@@ -135,8 +174,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # The ghost list and the per-block bookkeeping, in C likewise where built (the same
     # decisions either way: adaptive_bookkeeping.py).
     ghost_list_type = GhostList
+    liveness_shadow_type = ShadowLivenessOrder
     note_taken = staticmethod(note_taken)
     sort_released = staticmethod(sort_released)
+    mark_hashed = staticmethod(mark_hashed)
 
     @property
     def ghost_factor(self) -> int:
@@ -153,8 +194,18 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.sample_threshold = max(1, min(256, round(256 * self.shadow_entries / num_blocks)))
         self.sample_rate = self.sample_threshold / 256
         shadow_capacity = max(1, round(self.sample_rate * num_blocks))
-        self.shadows = [self.shadow_type(shadow_capacity, c.protected_fraction,
-                                        c.low_reuse_first, c.ghost_factor)
+        # The liveness order's estimates, learned whichever candidate is followed; the
+        # parts each block holding content was last released with; the order itself
+        # over the free blocks only while it is followed.
+        self.liveness = DocumentLivenessModel(max_states=self.liveness_max_states)
+        self.documents = DocumentTracker(self.liveness, self.max_documents,
+                                         observe_shares=False)
+        self.release_parts: list[ReleaseParts | None] = [None] * self.num_block_ids
+        self.num_releases = 0
+        self.liveness_queue: LivenessOrderQueue | None = None
+        self.shadows = [self.liveness_shadow_type(shadow_capacity, self.liveness) if c.liveness
+                        else self.shadow_type(shadow_capacity, c.protected_fraction,
+                                              c.low_reuse_first, c.ghost_factor)
                         for c in self.candidates]
         self.decay_every = self.decay_factor * shadow_capacity
         self.num_sampled_since_decay = 0
@@ -168,6 +219,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         # The real ghost list maps an evicted hash to when it was evicted (num_evicted
         # then) and its content's state at that time.
         self.ghost = self.ghost_list_type(self.max_ghost)
+        self.liveness_index = next(
+            (index for index, c in enumerate(self.candidates) if c.liveness), None)
         self.leader = 0
         self._follow(self.candidates[0])
         # The engine reads the standings after every step: format the labels once.
@@ -179,16 +232,34 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     @property
     def current_protected_fraction(self) -> float:
-        return self.candidates[self.leader].protected_fraction
+        """The protected share of the segments (while the liveness order is followed, of
+        the order they keep: :meth:`_follow`)."""
+        return self.segments_candidate.protected_fraction
+
+    @property
+    def follows_liveness(self) -> bool:
+        return self.liveness_queue is not None
 
     @property
     def evicts_low_reuse_first(self) -> bool:
         return self.low_reuse_first_followed
 
     def _follow(self, candidate: Candidate) -> None:
-        self.low_reuse_first_followed = candidate.low_reuse_first
-        self.max_protected = int(candidate.protected_fraction * self.num_blocks)
-        self.followed_reach = candidate.ghost_factor * self.num_blocks
+        if candidate.liveness:
+            # The segments keep the best of the other orders, ready for a switch back.
+            scores = [shadow.num_hits if not other.liveness else -1.0
+                      for shadow, other in zip(self.shadows, self.candidates, strict=True)]
+            segments = self.candidates[scores.index(max(scores))]
+            if self.liveness_queue is None:
+                self.liveness_queue = LivenessOrderQueue.from_free_blocks(
+                    self.liveness, self._segment_blocks(), self.release_parts)
+        else:
+            segments = candidate
+            self.liveness_queue = None
+        self.segments_candidate = segments
+        self.low_reuse_first_followed = segments.low_reuse_first
+        self.max_protected = int(segments.protected_fraction * self.num_blocks)
+        self.followed_reach = segments.ghost_factor * self.num_blocks
         self._protect([])  # demotes whatever the new cap leaves over to probation
 
     # -- what the pool calls --------------------------------------------------------------
@@ -198,9 +269,12 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             self._check_take(n)  # raises
         if not n:
             return []
-        first = self.first
-        from_first = first.num_free_blocks
-        if from_first:
+        if self.liveness_queue is not None:
+            popped = self.liveness_queue.popleft_n(n)
+            for block in popped:
+                self._take_from_segments(block)
+        elif from_first := self.first.num_free_blocks:
+            first = self.first
             from_first = min(n, from_first)
             popped = first.popleft_n(from_first)
             self.num_free_blocks -= from_first
@@ -222,23 +296,41 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
 
     def remove(self, block: KVCacheBlock) -> None:
         block_id = block.block_id
-        if self.in_upper[block_id] == _IN_FIRST:
-            self.in_upper[block_id] = _IN_LOWER
-            self.first.remove(block)
-            self.num_free_blocks -= 1
-        else:
-            TwoSegmentFreeBlockQueue.remove(self, block)
+        self._take_from_segments(block)
+        if self.liveness_queue is not None:
+            self.liveness_queue.remove(block)
         self.is_reused[block_id] = 1
         unproven = self.unproven[block_id]
         if unproven:  # neither None nor _NEW: new content, looked up again
             self.reuse.credit(*unproven)
             self.unproven[block_id] = None
 
+    def _take_from_segments(self, block: KVCacheBlock) -> None:
+        """Unlink a free block from whichever segment holds it (no other bookkeeping)."""
+        block_id = block.block_id
+        if self.in_upper[block_id] == _IN_FIRST:
+            self.in_upper[block_id] = _IN_LOWER
+            self.first.remove(block)
+            self.num_free_blocks -= 1
+        else:
+            TwoSegmentFreeBlockQueue.remove(self, block)
+
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
         """``2q``'s placement, with empty blocks at the head of the first segment and,
-        when followed, a finished request's low-reuse new content at its tail; then the
-        shadows see the request."""
+        when followed, a finished request's low-reuse new content at its tail (and, while
+        the liveness order is followed, its place in that order too); then the shadows
+        see the request."""
         finished = request is not None and request.status != RequestStatus.PREEMPTED
+        # The liveness model learns from every finished request; each released block
+        # holding content remembers the parts it was released with.
+        document = self.documents.note_finished(request) if finished else None
+        liveness = self.liveness
+        self.num_releases += 1
+        parts = (liveness.finest_class(document.state_id) if document is not None
+                 else UNKNOWN_CLASS, liveness.clock, self.num_releases)
+        self.mark_hashed(blocks, self.release_parts, parts)
+        if self.liveness_queue is not None:
+            self.liveness_queue.add_released(blocks, parts)
         unproven = self.unproven
         # The (signature, epoch) of this request's new content, shared by its blocks:
         # filled in below. ``lower`` keeps the release order (deepest first) of
@@ -267,6 +359,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         if protected:
             self._protect(protected)
         if request is not None:
+            if self.liveness_index is not None:
+                self.shadows[self.liveness_index].parts = parts
             self._observe(request.block_hashes,
                           set(sampled_new) if low_reuse and sampled_new else None)
 
@@ -319,17 +413,27 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.unproven = [_NEW if state is _NEW else None for state in self.unproven]
         for shadow in self.shadows:
             shadow.forget()
+        if self.liveness_queue is not None:  # every block is empty now
+            self.liveness_queue = LivenessOrderQueue.from_free_blocks(
+                self.liveness, self._segment_blocks(), self.release_parts)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """The first segment head to tail, then probation's, then protected's."""
+        """In eviction order: the liveness order's while it is followed, else the first
+        segment head to tail, then probation's, then protected's."""
+        if self.liveness_queue is not None:
+            return self.liveness_queue.get_all_free_blocks()
+        return self._segment_blocks()
+
+    def _segment_blocks(self) -> list[KVCacheBlock]:
         return self.first.get_all_free_blocks() + super().get_all_free_blocks()
 
     def policy_state(self) -> dict:
         """The candidate followed, and each candidate's share of the shadows' decayed
         hits (:meth:`candidate_standings`)."""
-        return {"protected_fraction": self.current_protected_fraction,
+        return {"liveness_order": self.follows_liveness,
+                "protected_fraction": self.current_protected_fraction,
                 "low_reuse_first": self.evicts_low_reuse_first,
-                "ghost_factor": self.current_candidate.ghost_factor,
+                "ghost_factor": self.segments_candidate.ghost_factor,
                 "candidate_hit_shares": {standing.label: round(standing.share, 4)
                                          for standing in self.candidate_standings()}}
 

@@ -6,10 +6,11 @@ also builds the same contracts in C (``_adaptive_bookkeeping_native.c``), becaus
 ``adaptive`` does this for every block taken and every block released, and in Python the
 interpreter between its few table operations costs more than the rest of the policy; the
 tests hold the two to the same entries, lists and orders. :data:`GhostList`,
-:func:`note_taken` and :func:`sort_released` are what ``adaptive`` uses: the C ones when
-the package was built with a C compiler (:data:`NATIVE_BOOKKEEPING`), else the Python
-ones. Either way every decision is the same; only the cost differs. The two kinds do not
-mix: the C functions take only the C ghost list.
+:func:`note_taken`, :func:`sort_released` and :func:`mark_hashed` are what ``adaptive``
+uses: the C ones when the package was built with a C compiler
+(:data:`NATIVE_BOOKKEEPING`), else the Python ones. Either way every decision is the
+same; only the cost differs. The two kinds do not mix: the C functions take only the C
+ghost list.
 """
 
 from __future__ import annotations
@@ -147,9 +148,22 @@ def python_sort_released(blocks: list[KVCacheBlock], finished: bool, is_reused: 
     return unhashed, lower, protected, new, sampled_new, credits
 
 
+def python_mark_hashed(blocks: list[KVCacheBlock], per_block: list, value: Any) -> None:
+    """For each of ``blocks`` holding a hash, in order: ``per_block[block_id] = value``."""
+    for block in blocks:
+        if block.block_hash is not None:
+            block_id = block.block_id
+            if not 0 <= block_id < len(per_block):
+                raise IndexError(f"block id {block_id} is out of range")
+            per_block[block_id] = value
+
+
 try:
     from prefixcache.core.eviction._adaptive_bookkeeping_native import (
         GhostList as NativeGhostList,
+    )
+    from prefixcache.core.eviction._adaptive_bookkeeping_native import (
+        mark_hashed as native_mark_hashed,
     )
     from prefixcache.core.eviction._adaptive_bookkeeping_native import (
         note_taken as native_note_taken,
@@ -158,10 +172,11 @@ try:
         sort_released as native_sort_released,
     )
 except ImportError:  # built without a C compiler: the Python ones decide the same
-    NativeGhostList = native_note_taken = native_sort_released = None
+    NativeGhostList = native_note_taken = native_sort_released = native_mark_hashed = None
 
 #: Whether ``adaptive`` runs the C bookkeeping.
 NATIVE_BOOKKEEPING = NativeGhostList is not None
 GhostList = NativeGhostList if NATIVE_BOOKKEEPING else PythonGhostList
 note_taken = native_note_taken if NATIVE_BOOKKEEPING else python_note_taken
 sort_released = native_sort_released if NATIVE_BOOKKEEPING else python_sort_released
+mark_hashed = native_mark_hashed if NATIVE_BOOKKEEPING else python_mark_hashed

@@ -40,11 +40,10 @@ from collections.abc import Iterable
 
 from prefixcache.core.block import KVCacheBlock
 from prefixcache.core.eviction.document_liveness_model import (
-    KEPT_TAIL_HASHES,
     DocumentHistory,
     DocumentLivenessModel,
-    logit,
 )
+from prefixcache.core.eviction.document_tracker import DocumentTracker, prompt_hashes
 from prefixcache.core.eviction.scored import GroupedScoredFreeBlockQueue
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request, RequestStatus
@@ -68,14 +67,34 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
 
     def __init__(self, blocks: Iterable[KVCacheBlock], *, max_documents: int = 20_000,
                  model: DocumentLivenessModel | None = None) -> None:
-        self.model = model if model is not None else DocumentLivenessModel()
-        self.max_documents = max_documents
-        self._documents: OrderedDict[BlockHash, DocumentHistory] = OrderedDict()
+        self.tracker = DocumentTracker(model if model is not None else DocumentLivenessModel(),
+                                       max_documents)
         self._num_fits_keyed = 0
         # log r(depth) per depth class as at the last re-key, for the listed groups' keys.
         self._log_share_at_rekey = [self.model.log_share_reached(depth)
                                     for depth in range(self.model.max_depth_bits + 1)]
         super().__init__(blocks)
+
+    @property
+    def model(self) -> DocumentLivenessModel:
+        """The estimator (the document tracker feeds it)."""
+        return self.tracker.model
+
+    @model.setter
+    def model(self, model: DocumentLivenessModel) -> None:
+        self.tracker.model = model
+
+    @property
+    def max_documents(self) -> int:
+        return self.tracker.max_documents
+
+    @max_documents.setter
+    def max_documents(self, value: int) -> None:
+        self.tracker.max_documents = value
+
+    @property
+    def _documents(self) -> OrderedDict[BlockHash, DocumentHistory]:
+        return self.tracker.documents
 
     def parts_for(self, block: KVCacheBlock) -> tuple[int, float, int] | None:
         """A block released without a (finished) request: an unknown document's,
@@ -90,8 +109,8 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         finest_class, clock, depth = parts
         model = self.model
         if finest_class == UNKNOWN_CLASS:
-            return logit(model.overall_p) + clock
-        return (logit(model.class_probability(finest_class)) + clock
+            return model.overall_log_odds + clock
+        return (model.class_log_odds(finest_class) + clock
                 + model.log_share_reached(depth))
 
     def listed_key_of_parts(self, parts: tuple[int, float, int]) -> float:
@@ -100,8 +119,8 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         finest_class, clock, depth = parts
         model = self.model
         if finest_class == UNKNOWN_CLASS:
-            return logit(model.overall_p) + clock
-        return (logit(model.class_probability(finest_class)) + clock
+            return model.overall_log_odds + clock
+        return (model.class_log_odds(finest_class) + clock
                 + self._log_share_at_rekey[depth])
 
     def list_of_parts(self, parts: tuple[int, float, int]) -> tuple[int, int]:
@@ -116,21 +135,20 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         super()._recompute_keys()
 
     def release(self, blocks: list[KVCacheBlock], request: Request | None = None) -> None:
-        prompt_hashes = self._prompt_hashes(request)
-        if not prompt_hashes or request.status is RequestStatus.PREEMPTED:
+        hashes = prompt_hashes(request)
+        if not hashes or request.status is RequestStatus.PREEMPTED:
             self.append_n(blocks)
             return
         model = self.model
         block_size = request.block_hasher.block_size
-        document = self._note_request(request, prompt_hashes, block_size)
+        document = self.tracker.note_request(request, hashes, block_size)
         if model.num_fits != self._num_fits_keyed:
             # Early estimates are poor; keys frozen at release would keep their errors.
             self._num_fits_keyed = model.num_fits
             self._recompute_keys()
         finest_class = model.finest_class(document.state_id)
         clock = model.clock
-        depth_of = dict(zip(prompt_hashes,
-                            model.depth_classes(len(prompt_hashes), block_size), strict=True))
+        depth_of = dict(zip(hashes, model.depth_classes(len(hashes), block_size), strict=True))
         # One group per depth class, made in the order the classes first appear.
         by_depth: dict[int, list[KVCacheBlock]] = {}
         for block in blocks:
@@ -164,35 +182,3 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
         # Every block is empty now: all go before any content cached from here on. What
         # was learned about documents stays true and is kept.
         self._empty_every_block()
-
-    def _prompt_hashes(self, request: Request | None) -> list[BlockHash]:
-        """The hashes of the request's full prompt blocks (not of generated tokens)."""
-        if request is None or not request.block_hashes or request.block_hasher is None:
-            return []
-        num_prompt_blocks = request.num_prompt_tokens // request.block_hasher.block_size
-        return request.block_hashes[:num_prompt_blocks]
-
-    def _note_request(self, request: Request, prompt_hashes: list[BlockHash],
-                      block_size: int) -> DocumentHistory:
-        """Count a finished request on its document; returns the document."""
-        documents = self._documents
-        root = prompt_hashes[0]
-        document = documents.get(root)
-        prompt_tokens = request.num_prompt_tokens
-        if document is None:
-            document = documents[root] = DocumentHistory(prompt_tokens, request.num_output_tokens)
-            if len(documents) > self.max_documents:
-                documents.popitem(last=False)
-        else:
-            documents.move_to_end(root)
-            document.min_prompt_tokens = min(document.min_prompt_tokens, prompt_tokens)
-            document.max_prompt_tokens = max(document.max_prompt_tokens, prompt_tokens)
-            self.model.observe_next_request(document.num_prompt_blocks,
-                                            document.prompt_tail_hashes, prompt_hashes,
-                                            block_size)
-        document.num_requests += 1
-        document.num_prompt_blocks = len(prompt_hashes)
-        document.prompt_tail_hashes = prompt_hashes[-KEPT_TAIL_HASHES:]
-        self.model.tick()
-        document.state_id = self.model.new_state(document)
-        return document

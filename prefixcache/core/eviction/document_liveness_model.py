@@ -136,6 +136,9 @@ class DocumentLivenessModel:
         self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
         self._class_parents: list[list[int]] = [[], [], []]
         self._leaf_p: list[float] = []  # per finest class; overall_p until fitted
+        # logit of each, and of overall_p, computed once per fit: keys read them often.
+        self._leaf_log_odds: list[float] = []
+        self.overall_log_odds = logit(self.overall_p)
         # States, oldest first; ids are absolute, list index = id - _first_state_id.
         self._first_state_id = 0
         self._state_classes: list[tuple[int, int, int]] = []
@@ -177,6 +180,7 @@ class DocumentLivenessModel:
                 self._class_parents[level].append(parent)
                 if level == 2:
                     self._leaf_p.append(self.overall_p)
+                    self._leaf_log_odds.append(self.overall_log_odds)
             ids.append(class_id)
             parent = class_id
         return ids[0], ids[1], ids[2]
@@ -220,6 +224,16 @@ class DocumentLivenessModel:
     def class_probability(self, finest_class: int) -> float:
         """``p`` of a finest class: the chance its documents get another request."""
         return self._leaf_p[finest_class]
+
+    def class_log_odds(self, finest_class: int) -> float:
+        """``logit(p)`` of a finest class (:func:`logit` of :meth:`class_probability`)."""
+        return self._leaf_log_odds[finest_class]
+
+    @property
+    def all_class_log_odds(self) -> list[float]:
+        """:meth:`class_log_odds` of every finest class, by id (the model's own list:
+        read it, do not change it)."""
+        return self._leaf_log_odds
 
     def depth_class(self, blocks_from_end: int, block_size: int) -> int:
         """The depth class of a block ``blocks_from_end`` blocks before a prompt's last
@@ -425,6 +439,8 @@ class DocumentLivenessModel:
         wait's shape the clock follows."""
         self._leaf_p = leaf_p
         self.overall_p = overall
+        self._leaf_log_odds = [logit(p) for p in leaf_p]
+        self.overall_log_odds = logit(overall)
         self.num_fits += 1
         self._first_bin = first_bin
         self._bin_rates = rates
