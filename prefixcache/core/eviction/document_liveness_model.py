@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 
 from prefixcache.core.hashing import BlockHash
 
@@ -139,11 +140,15 @@ class DocumentLivenessModel:
         # logit of each, and of overall_p, computed once per fit: keys read them often.
         self._leaf_log_odds: list[float] = []
         self.overall_log_odds = logit(self.overall_p)
-        # States, oldest first; ids are absolute, list index = id - _first_state_id.
+        # States, oldest first; ids are absolute, index = id - _first_state_id. Kept in
+        # arrays of 64-bit ints, which the C fit reads as they are (read from lists of
+        # Python ints, every fit began by converting each one).
         self._first_state_id = 0
-        self._state_classes: list[tuple[int, int, int]] = []
-        self._state_start: list[int] = []
-        self._state_continued_at: list[int] = []  # -1 while waiting
+        # Each state's class id at each level, coarsest first.
+        self._state_class_ids: tuple[array, array, array] = (
+            array("q"), array("q"), array("q"))
+        self._state_start = array("q")
+        self._state_continued_at = array("q")  # -1 while waiting
         # The waits that have ended among the states kept, in order, and their sum: the
         # wait's shape is taken from them after every fit.
         self._ended_waits: list[int] = []
@@ -201,13 +206,17 @@ class DocumentLivenessModel:
             wait = self.now - self._state_start[previous]
             bisect.insort(self._ended_waits, wait)
             self._ended_waits_total += wait
-        self._state_classes.append(self._class_id_path(self.class_path(document)))
+        for class_ids, class_id in zip(self._state_class_ids,
+                                       self._class_id_path(self.class_path(document)),
+                                       strict=True):
+            class_ids.append(class_id)
         self._state_start.append(self.now)
         self._state_continued_at.append(-1)
         if len(self._state_start) > self.max_states:
             drop = len(self._state_start) - self.max_states // 2
-            del self._state_classes[:drop], self._state_start[:drop]
-            del self._state_continued_at[:drop]
+            for class_ids in self._state_class_ids:
+                del class_ids[:drop]
+            del self._state_start[:drop], self._state_continued_at[:drop]
             self._ended_waits = sorted(at - start for start, at in zip(
                 self._state_start, self._state_continued_at, strict=True) if at >= 0)
             self._ended_waits_total = sum(self._ended_waits)
@@ -219,7 +228,7 @@ class DocumentLivenessModel:
 
     def finest_class(self, state_id: int) -> int:
         """The id of the state's finest class (ids are never reused)."""
-        return self._state_classes[state_id - self._first_state_id][2]
+        return self._state_class_ids[2][state_id - self._first_state_id]
 
     def class_probability(self, finest_class: int) -> float:
         """``p`` of a finest class: the chance its documents get another request."""
@@ -316,7 +325,7 @@ class DocumentLivenessModel:
             leaf_p, overall, rates = self._fit_in_python(origin, rates)
         else:
             leaf_p, overall, rates = self.native_fit(
-                self._state_start, self._state_continued_at, self._state_classes,
+                self._state_start, self._state_continued_at, self._state_class_ids,
                 self._class_parents, self._leaf_p, rates, self.now, origin,
                 self.hazard_bin, self.prior_weight, self.overall_p, self.em_iterations)
         self._adopt_fit(leaf_p, overall, first_bin, rates)
@@ -335,7 +344,7 @@ class DocumentLivenessModel:
         width = self.hazard_bin
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
-        classes = self._state_classes
+        leaves = self._state_class_ids[2]
         num_bins = len(rates)
         last_bin = num_bins - 1
         span = now - origin + 1  # the releases the states span, from offset 0
@@ -351,15 +360,14 @@ class DocumentLivenessModel:
             if at < 0:
                 start_bin = min(start // width, last_bin)
                 end_bin = min(end // width, last_bin)
-                waiting.append((index, classes[index][2], start_bin,
+                waiting.append((index, leaves[index], start_bin,
                                 start - start_bin * width, end_bin, end - end_bin * width))
         events = [0] * num_bins  # continuations per bin: the same in every iteration
         for at in continued_at:
             if at >= 0:
                 events[(at - origin) // width] += 1
         num_classes = [len(ids) for ids in self._class_ids]
-        class_of_level = [[state_classes[level] for state_classes in classes]
-                          for level in range(3)]
+        class_of_level = self._state_class_ids
         trials_of_level = []
         for level in range(3):
             trials = [0] * num_classes[level]
@@ -472,8 +480,9 @@ class DocumentLivenessModel:
         states. For reports."""
         rows: dict[tuple, dict] = {}
         middle_keys = {class_id: key for key, class_id in self._class_ids[1].items()}
-        for (_, middle, leaf), continued_at in zip(self._state_classes,
-                                                   self._state_continued_at, strict=True):
+        _, middles, leaves = self._state_class_ids
+        for middle, leaf, continued_at in zip(middles, leaves, self._state_continued_at,
+                                              strict=True):
             row = rows.setdefault(middle_keys[middle], {"states": 0, "continued": 0,
                                                         "p_sum": 0.0})
             row["states"] += 1
