@@ -136,6 +136,8 @@ class DocumentLivenessModel:
         # Classes: three levels, each class with an id and its parent's id one level up.
         self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
         self._class_parents: list[list[int]] = [[], [], []]
+        # The id path of each finest class met (a class's path never changes).
+        self._id_paths: dict[tuple, tuple[int, int, int]] = {}
         self._leaf_p: list[float] = []  # per finest class; overall_p until fitted
         # logit of each, and of overall_p, computed once per fit: keys read them often.
         self._leaf_log_odds: list[float] = []
@@ -164,20 +166,25 @@ class DocumentLivenessModel:
 
     # -- classes ------------------------------------------------------------------------
 
-    def class_path(self, document: DocumentHistory) -> tuple[tuple, tuple, tuple]:
-        """The document's class at each level, coarsest first."""
+    def finest_class_key(self, document: DocumentHistory) -> tuple:
+        """The document's finest class; its first one and first two items are its coarser
+        classes."""
         if document.num_requests == 1:
-            output_bits = document.first_output_tokens.bit_length()
-            return (("first",), ("first", output_bits),
-                    ("first", output_bits, document.first_prompt_tokens.bit_length()))
-        spread_bits = (document.max_prompt_tokens - document.min_prompt_tokens).bit_length()
-        return (("again",), ("again", spread_bits),
-                ("again", spread_bits, min(document.num_requests, self.max_count)))
+            return ("first", document.first_output_tokens.bit_length(),
+                    document.first_prompt_tokens.bit_length())
+        return ("again",
+                (document.max_prompt_tokens - document.min_prompt_tokens).bit_length(),
+                min(document.num_requests, self.max_count))
 
-    def _class_id_path(self, path: tuple[tuple, tuple, tuple]) -> tuple[int, int, int]:
+    def _class_id_path(self, finest_key: tuple) -> tuple[int, int, int]:
+        """The ids of the classes on the path to ``finest_key``, coarsest first (each
+        class numbered when first met)."""
+        path = self._id_paths.get(finest_key)
+        if path is not None:
+            return path
         ids = []
         parent = -1
-        for level, key in enumerate(path):
+        for level, key in enumerate((finest_key[:1], finest_key[:2], finest_key)):
             class_ids = self._class_ids[level]
             class_id = class_ids.get(key)
             if class_id is None:
@@ -188,7 +195,8 @@ class DocumentLivenessModel:
                     self._leaf_log_odds.append(self.overall_log_odds)
             ids.append(class_id)
             parent = class_id
-        return ids[0], ids[1], ids[2]
+        path = self._id_paths[finest_key] = (ids[0], ids[1], ids[2])
+        return path
 
     # -- events -------------------------------------------------------------------------
 
@@ -206,10 +214,11 @@ class DocumentLivenessModel:
             wait = self.now - self._state_start[previous]
             bisect.insort(self._ended_waits, wait)
             self._ended_waits_total += wait
-        for class_ids, class_id in zip(self._state_class_ids,
-                                       self._class_id_path(self.class_path(document)),
-                                       strict=True):
-            class_ids.append(class_id)
+        coarsest, middle, finest = self._class_id_path(self.finest_class_key(document))
+        coarsest_ids, middle_ids, finest_ids = self._state_class_ids
+        coarsest_ids.append(coarsest)
+        middle_ids.append(middle)
+        finest_ids.append(finest)
         self._state_start.append(self.now)
         self._state_continued_at.append(-1)
         if len(self._state_start) > self.max_states:
