@@ -468,6 +468,23 @@ read_block_hash(const BlockReader *reader, PyObject *block)
     return read_block(reader, block, reader->hash_offset, str_block_hash);
 }
 
+/* Start loading the ghost list's slots for the hashes `blocks` hold (those a slot read
+ * gives; it runs no code): the lookups that follow then find them loaded. */
+static void
+prefetch_ghost_slots(GhostList *ghost, const BlockReader *reader, PyObject *blocks)
+{
+    if (reader->hash_offset < 0)
+        return;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks); k++) {
+        PyObject *block = PyList_GET_ITEM(blocks, k);
+        if (!Py_IS_TYPE(block, reader->type))
+            continue;
+        PyObject *block_hash = *(PyObject **)((char *)block + reader->hash_offset);
+        if (block_hash != NULL && PyBytes_CheckExact(block_hash))
+            keyed_table_prefetch(&ghost->table, PyObject_Hash(block_hash));
+    }
+}
+
 /* A block's id, checked against both per-block arrays; -1 with an error set if not. */
 static Py_ssize_t
 block_id_of(const BlockReader *reader, PyObject *block, PyObject *is_reused,
@@ -532,6 +549,7 @@ note_taken(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     BlockReader reader;
     block_reader_init(&reader, blocks);
+    prefetch_ghost_slots(ghost, &reader, blocks);
     int failed = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
         PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));
@@ -603,6 +621,7 @@ sort_released(PyObject *Py_UNUSED(module), PyObject *args)
     }
     BlockReader reader;
     block_reader_init(&reader, blocks);
+    prefetch_ghost_slots(ghost, &reader, blocks);
     int failed = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
         PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));

@@ -170,6 +170,20 @@ keyed_table_make_room(KeyedTable *table)
     return 0;
 }
 
+/* Ask the CPU to start loading the slot where a key of `hash` is looked for: a caller
+ * with several keys to look up starts every load before the first lookup, so that the
+ * misses overlap instead of following one another. Only a hint: it changes nothing. */
+static inline void
+keyed_table_prefetch(const KeyedTable *table, Py_hash_t hash)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&table->slots[(size_t)hash & table->slot_mask]);
+#else
+    (void)table;
+    (void)hash;
+#endif
+}
+
 /* The entry holding `key` (exact bytes), or NONE with *slot where it would go. */
 static inline Py_ssize_t
 keyed_table_find(const KeyedTable *table, PyObject *key, Py_hash_t hash, size_t *slot)
