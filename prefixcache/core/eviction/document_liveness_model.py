@@ -143,8 +143,8 @@ class DocumentLivenessModel:
         self._leaf_log_odds: list[float] = []
         self.overall_log_odds = logit(self.overall_p)
         # States, oldest first; ids are absolute, index = id - _first_state_id. Kept in
-        # arrays of 64-bit ints, which the C fit reads as they are (read from lists of
-        # Python ints, every fit began by converting each one).
+        # arrays of 64-bit ints, which the C fit reads as they are, where lists would
+        # have it convert every Python int at every fit.
         self._first_state_id = 0
         # Each state's class id at each level, coarsest first.
         self._state_class_ids: tuple[array, array, array] = (
