@@ -228,6 +228,38 @@ def test_the_c_functions_read_blocks_of_any_type_as_getattr_does(seed, block_typ
 
 
 @needs_c
+def test_the_c_functions_find_a_blocks_attributes_where_getattr_does():
+    """A metaclass whose own ``block_hash`` hands out the block class's slot descriptor:
+    looking the name up on the class finds that slot, but an instance's getattr finds
+    the subclass's property. The C functions must read what getattr reads."""
+    slot = KVCacheBlock.__dict__["block_hash"]
+
+    class Meta(type):
+        @property
+        def block_hash(cls):
+            return slot
+
+    class Sub(KVCacheBlock, metaclass=Meta):
+        __slots__ = ("_hash",)
+
+        @property
+        def block_hash(self):
+            return self._hash
+
+        @block_hash.setter
+        def block_hash(self, value):
+            self._hash = value
+
+    block = Sub(0)
+    slot.__set__(block, key(7))  # a decoy in the slot the property hides
+    for mark_hashed in (adaptive_bookkeeping.python_mark_hashed,
+                        adaptive_bookkeeping.native_mark_hashed):
+        per_block = [None]
+        mark_hashed([block], per_block, "marked")
+        assert per_block == [None]
+
+
+@needs_c
 def test_the_c_functions_raise_for_a_block_whose_slot_is_empty():
     """A block class instance with its hash slot deleted: AttributeError, as getattr."""
     ghost = adaptive_bookkeeping.NativeGhostList(4)

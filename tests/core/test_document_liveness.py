@@ -272,7 +272,7 @@ def test_the_model_fits_in_c_wherever_the_c_fit_is_built():
 
 @pytest.mark.skipif(DocumentLivenessModel.native_fit is None, reason="no C fit built")
 @pytest.mark.parametrize("broken", ["classes", "parent", "class id", "list", "int32",
-                                    "window", "leaves"])
+                                    "two-dimensional", "window", "leaves"])
 def test_the_c_fit_refuses_inconsistent_inputs_instead_of_reading_past_them(broken):
     fit = DocumentLivenessModel.native_fit
     inputs = {"starts": array("q", [0, 1, 2]), "continued_at": array("q", [1, -1, -1]),
@@ -292,6 +292,8 @@ def test_the_c_fit_refuses_inconsistent_inputs_instead_of_reading_past_them(brok
         inputs["starts"] = [0, 1, 2]
     elif broken == "int32":
         inputs["starts"] = array("i", [0, 1, 2])
+    elif broken == "two-dimensional":
+        inputs["starts"] = memoryview(array("q", [0, 1, 2])).cast("B").cast("q", (3, 1))
     elif broken == "window":
         inputs["origin"] = 1  # the first state starts before it
     else:

@@ -398,35 +398,29 @@ static PyObject *str_block_id, *str_block_hash;
  * member descriptor says where in the object it is: for a block of the type looked up at
  * the start of a call, an attribute in a slot is read there (what getattr returns,
  * without the lookups each getattr repeats). Any other block, or a slot left empty, goes
- * through getattr. */
+ * through getattr. The offsets hold for the whole call: a class whose block_id or
+ * block_hash is rebound while a call runs (by code a block's attribute or a state's
+ * truth test runs) may have its blocks read as they were at the call's start. */
 typedef struct {
     PyTypeObject *type; /* owned; NULL: every block through getattr */
     Py_ssize_t id_offset, hash_offset; /* -1: not a slot of `type` */
 } BlockReader;
 
 /* Where instances of `type` keep attribute `name`, if in a slot that getattr reads as it
- * is; else -1. Runs no code of the instances' (a class's attribute may run its
- * metaclass's). */
+ * is; else -1. Looks the name up along the type's MRO as an instance's getattr does
+ * (_PyType_Lookup: no metaclass, no code run, no exception set). */
 static Py_ssize_t
 slot_offset(PyTypeObject *type, PyObject *name)
 {
     if (type->tp_getattro != PyObject_GenericGetAttr)
         return -1;
-    PyObject *descr = PyObject_GetAttr((PyObject *)type, name);
-    if (descr == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t offset = -1;
+    PyObject *descr = _PyType_Lookup(type, name); /* borrowed */
     /* A member descriptor is a data descriptor: it wins over an instance's __dict__. */
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)
-            && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type == T_OBJECT_EX)
-            offset = member->offset;
-    }
-    Py_DECREF(descr);
-    return offset;
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            || !PyType_IsSubtype(type, PyDescr_TYPE(descr)))
+        return -1;
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    return member->type == T_OBJECT_EX ? member->offset : -1;
 }
 
 /* A reader for `blocks` (a list), set up for the type of its first block. */

@@ -20,6 +20,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <xmmintrin.h>
+#endif
 
 #define NONE ((Py_ssize_t)-1) /* no entry: an empty slot, the end of a list */
 
@@ -33,9 +36,10 @@ typedef struct {
     Py_ssize_t head, tail, size;
 } KeyedList;
 
-/* Entry indices in a slot are 32 bits: a table holds fewer than 2**31 entries, and so
- * fewer than 2**32 slots, whose home the hash's low 32 bits give. */
-#define KEYED_MAX_ENTRIES ((Py_ssize_t)INT32_MAX)
+/* A table holds fewer than 2**30 keys (OverflowError beyond), so it never uses more than
+ * 2**30 entries, whose indices fit a slot's 32 bits, nor more than 2**31 slots, whose
+ * mask the hash's low 32 bits cover: a key's home slot is found from its slot alone. */
+#define KEYED_MAX_KEYS ((Py_ssize_t)1 << 30)
 
 typedef struct {
     int32_t index;      /* entry index, or NONE */
@@ -144,6 +148,10 @@ keyed_table_init(KeyedTable *table, size_t entry_size)
 static inline int
 keyed_table_make_room(KeyedTable *table)
 {
+    if (table->num_keys + 1 >= KEYED_MAX_KEYS) {
+        PyErr_SetString(PyExc_OverflowError, "too many keys for one table");
+        return -1;
+    }
     if ((size_t)(table->num_keys + 1) * 2 > table->slot_mask + 1) {
         if (table->slot_mask + 1 > PY_SSIZE_T_MAX / 2 / sizeof(KeyedSlot)) {
             PyErr_NoMemory();
@@ -153,8 +161,7 @@ keyed_table_make_room(KeyedTable *table)
             return -1;
     }
     if (table->free_entry == NONE && table->num_entries_used == table->num_entries_allocated) {
-        if (table->num_entries_allocated > KEYED_MAX_ENTRIES / 2
-                || (size_t)table->num_entries_allocated > PY_SSIZE_T_MAX / 2 / table->entry_size) {
+        if ((size_t)table->num_entries_allocated > PY_SSIZE_T_MAX / 2 / table->entry_size) {
             PyErr_NoMemory();
             return -1;
         }
@@ -178,6 +185,8 @@ keyed_table_prefetch(const KeyedTable *table, Py_hash_t hash)
 {
 #if defined(__GNUC__) || defined(__clang__)
     __builtin_prefetch(&table->slots[(size_t)hash & table->slot_mask]);
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+    _mm_prefetch((const char *)&table->slots[(size_t)hash & table->slot_mask], _MM_HINT_T0);
 #else
     (void)table;
     (void)hash;

@@ -45,21 +45,25 @@ read_longs(PyObject *list, Py_ssize_t n, const char *name)
     return values;
 }
 
-/* An object exporting a contiguous buffer of 64-bit ints (format "q", as array('q')
- * does) into a new C array of longs; its length in *n if n_known is 0, else it must be
- * *n. NULL and an exception on error. */
+/* An object exporting a one-dimensional contiguous buffer of 64-bit ints (format "q", as
+ * array('q') does) into a new C array of longs; its length in *n if n_known is 0, else it
+ * must be *n. NULL and an exception on error. */
 static long *
 read_int64s(PyObject *object, Py_ssize_t *n, int n_known, const char *name)
 {
     Py_buffer view;
     if (PyObject_GetBuffer(object, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_ValueError, "%s must be an array('q')", name);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) { /* no buffer at all */
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be an array('q')", name);
+        }
         return NULL;
     }
     long *values = NULL;
     Py_ssize_t count = view.len / (Py_ssize_t)sizeof(long long);
-    if (view.itemsize != (Py_ssize_t)sizeof(long long) || view.format == NULL
-            || strcmp(view.format, "q") != 0 || (n_known && count != *n)) {
+    if (view.ndim != 1 || view.itemsize != (Py_ssize_t)sizeof(long long)
+            || view.format == NULL || strcmp(view.format, "q") != 0
+            || (n_known && count != *n)) {
         PyErr_Format(PyExc_ValueError, "%s must be an array('q') of one int per state", name);
         goto done;
     }
