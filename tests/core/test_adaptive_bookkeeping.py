@@ -75,33 +75,25 @@ def test_the_ghost_list_keeps_an_ordered_dicts_order(implementation):
             ghost[key(999)]
 
 
+def property_in(attribute: str) -> property:
+    """A read-write property that keeps its value in ``attribute``."""
+    return property(lambda self: getattr(self, attribute),
+                    lambda self, value: setattr(self, attribute, value))
+
+
 class PropertyBlock(KVCacheBlock):
     """A block whose id and hash are properties (kept in slots of its own); the block
     class's slots, which the properties hide, hold decoys."""
 
     __slots__ = ("_id", "_hash")
+    block_id = property_in("_id")
+    block_hash = property_in("_hash")
 
     def __init__(self, block_id: int) -> None:
         self._hash = None
         super().__init__(block_id)
         KVCacheBlock.block_id.__set__(self, 10**6)
         KVCacheBlock.block_hash.__set__(self, key(999))
-
-    @property
-    def block_id(self):
-        return self._id
-
-    @block_id.setter
-    def block_id(self, value):
-        self._id = value
-
-    @property
-    def block_hash(self):
-        return self._hash
-
-    @block_hash.setter
-    def block_hash(self, value):
-        self._hash = value
 
 
 class DictBlock:
@@ -241,14 +233,7 @@ def test_the_c_functions_find_a_blocks_attributes_where_getattr_does():
 
     class Sub(KVCacheBlock, metaclass=Meta):
         __slots__ = ("_hash",)
-
-        @property
-        def block_hash(self):
-            return self._hash
-
-        @block_hash.setter
-        def block_hash(self, value):
-            self._hash = value
+        block_hash = property_in("_hash")
 
     block = Sub(0)
     slot.__set__(block, key(7))  # a decoy in the slot the property hides
