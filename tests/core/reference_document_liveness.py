@@ -59,7 +59,7 @@ class PlainLoopModel(DocumentLivenessModel):
         width = self.hazard_bin
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
-        classes = self._state_classes
+        classes = list(zip(*self._state_class_ids, strict=True))  # per state, per level
         first_bin, origin, rates = self._fit_window()
         num_bins = len(rates)
         leaf_p = self._leaf_p

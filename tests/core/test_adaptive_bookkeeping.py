@@ -75,20 +75,51 @@ def test_the_ghost_list_keeps_an_ordered_dicts_order(implementation):
             ghost[key(999)]
 
 
-def make_blocks(rng: random.Random, num_blocks: int, num_keys: int) -> list[KVCacheBlock]:
-    blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+def property_in(attribute: str) -> property:
+    """A read-write property that keeps its value in ``attribute``."""
+    return property(lambda self: getattr(self, attribute),
+                    lambda self, value: setattr(self, attribute, value))
+
+
+class PropertyBlock(KVCacheBlock):
+    """A block whose id and hash are properties (kept in slots of its own); the block
+    class's slots, which the properties hide, hold decoys."""
+
+    __slots__ = ("_id", "_hash")
+    block_id = property_in("_id")
+    block_hash = property_in("_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self._hash = None
+        super().__init__(block_id)
+        KVCacheBlock.block_id.__set__(self, 10**6)
+        KVCacheBlock.block_hash.__set__(self, key(999))
+
+
+class DictBlock:
+    """A block of no block class, keeping its attributes in a __dict__."""
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.block_hash = None
+
+
+def make_blocks(rng: random.Random, num_blocks: int, num_keys: int,
+                block_types: tuple[type, ...] = (KVCacheBlock,)) -> list[KVCacheBlock]:
+    blocks = [rng.choice(block_types)(block_id) for block_id in range(num_blocks)]
     for block in blocks:
         if rng.random() < 0.85:
             block.block_hash = key(rng.randrange(num_keys))
     return blocks
 
 
-def random_world(seed: int):
-    """Blocks, reuse marks, unproven states and a ghost list's contents, at random: the
-    same for the same seed, with state objects of their own."""
+def random_world(seed: int, block_types: tuple[type, ...] = (KVCacheBlock,)):
+    """Blocks (of ``block_types``, at random), reuse marks, unproven states and a ghost
+    list's contents, at random: the same for the same seed, with state objects of their
+    own."""
     rng = random.Random(seed)
     num_blocks = 40
-    blocks = make_blocks(rng, num_blocks, 60)
+    blocks = make_blocks(rng, num_blocks, 60, block_types)
     states = [None, NEW, [1, 0], [2, 1], [], ()]
     is_reused = bytearray(rng.random() < 0.3 for _ in range(num_blocks))
     unproven = [rng.choice(states) for _ in range(num_blocks)]
@@ -99,7 +130,7 @@ def random_world(seed: int):
 def named(obj, known: list):
     """``obj`` with every block named by its id and every object in ``known`` by its place
     there (so that identity is compared, not equality)."""
-    if isinstance(obj, KVCacheBlock):
+    if isinstance(obj, KVCacheBlock | DictBlock):
         return f"block {obj.block_id}"
     if isinstance(obj, bytes | int):
         return obj
@@ -108,14 +139,15 @@ def named(obj, known: list):
     return next(f"state {i}" for i, s in enumerate(known) if obj is s)
 
 
-def run_both(seed: int, operation):
+def run_both(seed: int, operation, block_types: tuple[type, ...] = (KVCacheBlock,)):
     """``operation(implementation, rng, blocks, is_reused, unproven, ghost, state)`` on
     the same random world under each implementation (``state``: a fresh list for new
     content). Returns, per implementation, what it returned and the world after it,
     :func:`named`."""
     results = []
     for implementation in (PYTHON.values[0], NATIVE.values[0]):
-        rng, blocks, states, is_reused, unproven, ghost_entries = random_world(seed)
+        rng, blocks, states, is_reused, unproven, ghost_entries = random_world(seed,
+                                                                             block_types)
         ghost = implementation[0](30)
         for k, evicted_at, state in ghost_entries:
             ghost.add(k, evicted_at, state)
@@ -153,6 +185,80 @@ def test_sort_released_in_c_does_what_the_reference_does(seed, finished):
     assert python == native
     unhashed, lower, protected, new, sampled_new, credits = python[0]
     assert protected and lower and unhashed
+
+
+#: Blocks of the block class mixed with blocks whose attributes are properties, or in a
+#: __dict__: the C functions read the block class's slots directly, and must read every
+#: other block as getattr does, whichever type comes first.
+MIXED_BLOCK_TYPES = [pytest.param((KVCacheBlock, PropertyBlock, DictBlock), id="mixed"),
+                     pytest.param((PropertyBlock,), id="properties"),
+                     pytest.param((DictBlock,), id="dicts")]
+
+
+@needs_c
+@pytest.mark.parametrize("block_types", MIXED_BLOCK_TYPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_c_functions_read_blocks_of_any_type_as_getattr_does(seed, block_types):
+    def take(implementation, rng, blocks, is_reused, unproven, ghost, state):
+        return implementation[1](rng.sample(blocks, 25), ghost, 1_000, is_reused, unproven,
+                                 NEW)
+
+    def release(implementation, rng, blocks, is_reused, unproven, ghost, state):
+        return implementation[2](rng.sample(blocks, 30), True, is_reused, unproven,
+                                 ghost, 1_050, 30, 128, state, NEW)
+
+    for operation in (take, release):
+        python, native = run_both(seed, operation, block_types)
+        assert python == native
+    for mark_hashed in (adaptive_bookkeeping.python_mark_hashed,
+                        adaptive_bookkeeping.native_mark_hashed):
+        blocks = make_blocks(random.Random(seed), 40, 60, block_types)
+        per_block = [None] * 40
+        mark_hashed(blocks, per_block, "marked")
+        assert per_block == ["marked" if block.block_hash is not None else None
+                             for block in sorted(blocks, key=lambda block: block.block_id)]
+
+
+@needs_c
+def test_the_c_functions_find_a_blocks_attributes_where_getattr_does():
+    """A metaclass whose own ``block_hash`` hands out the block class's slot descriptor:
+    looking the name up on the class finds that slot, but an instance's getattr finds
+    the subclass's property. The C functions must read what getattr reads."""
+    slot = KVCacheBlock.__dict__["block_hash"]
+
+    class Meta(type):
+        @property
+        def block_hash(cls):
+            return slot
+
+    class Sub(KVCacheBlock, metaclass=Meta):
+        __slots__ = ("_hash",)
+        block_hash = property_in("_hash")
+
+    block = Sub(0)
+    slot.__set__(block, key(7))  # a decoy in the slot the property hides
+    for mark_hashed in (adaptive_bookkeeping.python_mark_hashed,
+                        adaptive_bookkeeping.native_mark_hashed):
+        per_block = [None]
+        mark_hashed([block], per_block, "marked")
+        assert per_block == [None]
+
+
+@needs_c
+def test_the_c_functions_raise_for_a_block_whose_slot_is_empty():
+    """A block class instance with its hash slot deleted: AttributeError, as getattr."""
+    ghost = adaptive_bookkeeping.NativeGhostList(4)
+    blocks = [KVCacheBlock(0), KVCacheBlock(1)]
+    blocks[0].block_hash = key(1)
+    del blocks[1].block_hash
+    with pytest.raises(AttributeError):
+        adaptive_bookkeeping.native_note_taken(blocks, ghost, 0, bytearray(2), [None] * 2,
+                                               NEW)
+    with pytest.raises(AttributeError):
+        adaptive_bookkeeping.native_mark_hashed(blocks, [None] * 2, "marked")
+    with pytest.raises(AttributeError):
+        adaptive_bookkeeping.native_sort_released(blocks, True, bytearray(2), [None] * 2,
+                                                  ghost, 0, 1, 256, [], NEW)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -7,6 +7,7 @@ import heapq
 import math
 import random
 import statistics
+from array import array
 
 import pytest
 
@@ -270,20 +271,29 @@ def test_the_model_fits_in_c_wherever_the_c_fit_is_built():
 
 
 @pytest.mark.skipif(DocumentLivenessModel.native_fit is None, reason="no C fit built")
-@pytest.mark.parametrize("broken", ["classes", "parent", "class id", "window", "leaves"])
+@pytest.mark.parametrize("broken", ["classes", "parent", "class id", "list", "int32",
+                                    "two-dimensional", "window", "leaves"])
 def test_the_c_fit_refuses_inconsistent_inputs_instead_of_reading_past_them(broken):
     fit = DocumentLivenessModel.native_fit
-    inputs = {"starts": [0, 1, 2], "continued_at": [1, -1, -1],
-              "classes": [(0, 0, 0), (0, 0, 1), (0, 1, 2)],
+    inputs = {"starts": array("q", [0, 1, 2]), "continued_at": array("q", [1, -1, -1]),
+              "classes": (array("q", [0, 0, 0]), array("q", [0, 0, 1]),
+                          array("q", [0, 1, 2])),
               "parents": [[-1], [0, 0], [0, 0, 1]], "leaf_p": [0.5, 0.5, 0.5],
               "rates": [0.1], "now": 3, "origin": 0, "width": 200}
     fit(*inputs.values(), 8.0, 0.5, 4)  # consistent: fits
     if broken == "classes":
-        inputs["classes"] = inputs["classes"][:2]
+        inputs["classes"] = tuple(class_ids[:2] for class_ids in inputs["classes"])
     elif broken == "parent":
         inputs["parents"] = [[-1], [0, 5], [0, 0, 1]]
     elif broken == "class id":
-        inputs["classes"] = [(0, 0, 0), (0, 0, 3), (0, 1, 2)]
+        inputs["classes"] = (array("q", [0, 0, 0]), array("q", [0, 0, 1]),
+                             array("q", [0, 3, 2]))
+    elif broken == "list":
+        inputs["starts"] = [0, 1, 2]
+    elif broken == "int32":
+        inputs["starts"] = array("i", [0, 1, 2])
+    elif broken == "two-dimensional":
+        inputs["starts"] = memoryview(array("q", [0, 1, 2])).cast("B").cast("q", (3, 1))
     elif broken == "window":
         inputs["origin"] = 1  # the first state starts before it
     else:

@@ -393,11 +393,98 @@ static PyTypeObject GhostListType = {
 
 static PyObject *str_block_id, *str_block_hash;
 
+/* Reading a block's block_id and block_hash, which these functions do for every block a
+ * request releases or the pool takes. KVCacheBlock keeps both in __slots__, and a slot's
+ * member descriptor says where in the object it is: for a block of the type looked up at
+ * the start of a call, an attribute in a slot is read there (what getattr returns,
+ * without the lookups each getattr repeats). Any other block, or a slot left empty, goes
+ * through getattr. The offsets hold for the whole call: a class whose block_id or
+ * block_hash is rebound while a call runs (by code a block's attribute or a state's
+ * truth test runs) may have its blocks read as they were at the call's start. */
+typedef struct {
+    PyTypeObject *type; /* owned; NULL: every block through getattr */
+    Py_ssize_t id_offset, hash_offset; /* -1: not a slot of `type` */
+} BlockReader;
+
+/* Where instances of `type` keep attribute `name`, if in a slot that getattr reads as it
+ * is; else -1. Looks the name up along the type's MRO as an instance's getattr does
+ * (_PyType_Lookup: no metaclass, no code run, no exception set). */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, PyObject *name)
+{
+    if (type->tp_getattro != PyObject_GenericGetAttr)
+        return -1;
+    PyObject *descr = _PyType_Lookup(type, name); /* borrowed */
+    /* A member descriptor is a data descriptor: it wins over an instance's __dict__. */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            || !PyType_IsSubtype(type, PyDescr_TYPE(descr)))
+        return -1;
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    return member->type == T_OBJECT_EX ? member->offset : -1;
+}
+
+/* A reader for `blocks` (a list), set up for the type of its first block. */
+static void
+block_reader_init(BlockReader *reader, PyObject *blocks)
+{
+    reader->type = NULL;
+    reader->id_offset = reader->hash_offset = -1;
+    if (PyList_GET_SIZE(blocks) == 0)
+        return;
+    PyTypeObject *type = Py_TYPE(PyList_GET_ITEM(blocks, 0));
+    Py_INCREF(type);
+    reader->type = type;
+    reader->id_offset = slot_offset(type, str_block_id);
+    reader->hash_offset = slot_offset(type, str_block_hash);
+}
+
+static void
+block_reader_release(BlockReader *reader)
+{
+    Py_CLEAR(reader->type);
+}
+
+/* getattr(block, name): a new reference, or NULL with an error set. */
+static PyObject *
+read_block(const BlockReader *reader, PyObject *block, Py_ssize_t offset, PyObject *name)
+{
+    if (offset >= 0 && Py_IS_TYPE(block, reader->type)) {
+        PyObject *value = *(PyObject **)((char *)block + offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(block, name); /* also raises for an empty slot */
+}
+
+static inline PyObject *
+read_block_hash(const BlockReader *reader, PyObject *block)
+{
+    return read_block(reader, block, reader->hash_offset, str_block_hash);
+}
+
+/* Start loading the ghost list's slots for the hashes `blocks` hold (those a slot read
+ * gives; it runs no code): the lookups that follow then find them loaded. */
+static void
+prefetch_ghost_slots(GhostList *ghost, const BlockReader *reader, PyObject *blocks)
+{
+    if (reader->hash_offset < 0)
+        return;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks); k++) {
+        PyObject *block = PyList_GET_ITEM(blocks, k);
+        if (!Py_IS_TYPE(block, reader->type))
+            continue;
+        PyObject *block_hash = *(PyObject **)((char *)block + reader->hash_offset);
+        if (block_hash != NULL && PyBytes_CheckExact(block_hash))
+            keyed_table_prefetch(&ghost->table, PyObject_Hash(block_hash));
+    }
+}
+
 /* A block's id, checked against both per-block arrays; -1 with an error set if not. */
 static Py_ssize_t
-block_id_of(PyObject *block, PyObject *is_reused, PyObject *unproven)
+block_id_of(const BlockReader *reader, PyObject *block, PyObject *is_reused,
+            PyObject *unproven)
 {
-    PyObject *id_object = PyObject_GetAttr(block, str_block_id);
+    PyObject *id_object = read_block(reader, block, reader->id_offset, str_block_id);
     if (id_object == NULL)
         return -1;
     Py_ssize_t block_id = PyLong_AsSsize_t(id_object);
@@ -454,14 +541,17 @@ note_taken(PyObject *Py_UNUSED(module), PyObject *args)
     GhostList *ghost = (GhostList *)ghost_object;
     if (begin(ghost) < 0)
         return NULL;
+    BlockReader reader;
+    block_reader_init(&reader, blocks);
+    prefetch_ghost_slots(ghost, &reader, blocks);
     int failed = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
         PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));
-        PyObject *block_hash = PyObject_GetAttr(block, str_block_hash);
+        PyObject *block_hash = read_block_hash(&reader, block);
         Py_ssize_t block_id;
         /* The id is read and checked last: no Python code runs between that and its use. */
         if (block_hash == NULL || (block_hash != Py_None && check_key(block_hash) < 0)
-                || (block_id = block_id_of(block, is_reused, unproven)) < 0) {
+                || (block_id = block_id_of(&reader, block, is_reused, unproven)) < 0) {
             failed = 1;
         }
         else {
@@ -479,6 +569,7 @@ note_taken(PyObject *Py_UNUSED(module), PyObject *args)
     }
     if (!failed)
         failed = trim(ghost) < 0;
+    block_reader_release(&reader);
     end(ghost);
     if (failed)
         return NULL;
@@ -522,10 +613,13 @@ sort_released(PyObject *Py_UNUSED(module), PyObject *args)
         Py_DECREF(out);
         return NULL;
     }
+    BlockReader reader;
+    block_reader_init(&reader, blocks);
+    prefetch_ghost_slots(ghost, &reader, blocks);
     int failed = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
         PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));
-        PyObject *block_hash = PyObject_GetAttr(block, str_block_hash);
+        PyObject *block_hash = read_block_hash(&reader, block);
         Py_ssize_t block_id;
         if (block_hash == NULL) {
             failed = 1;
@@ -534,7 +628,7 @@ sort_released(PyObject *Py_UNUSED(module), PyObject *args)
             failed = PyList_Append(OUT(UNHASHED), block) < 0;
         }
         else if (check_key(block_hash) < 0
-                 || (block_id = block_id_of(block, is_reused, unproven)) < 0) {
+                 || (block_id = block_id_of(&reader, block, is_reused, unproven)) < 0) {
             failed = 1;
         }
         else {
@@ -580,6 +674,7 @@ sort_released(PyObject *Py_UNUSED(module), PyObject *args)
         Py_DECREF(block);
     }
 #undef OUT
+    block_reader_release(&reader);
     end(ghost);
     if (failed) {
         Py_DECREF(out);
@@ -606,15 +701,17 @@ mark_hashed(PyObject *Py_UNUSED(module), PyObject *args)
     PyObject *replaced = PyList_New(0);
     if (replaced == NULL)
         return NULL;
+    BlockReader reader;
+    block_reader_init(&reader, blocks);
     int failed = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(blocks) && !failed; k++) {
         PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, k));
-        PyObject *block_hash = PyObject_GetAttr(block, str_block_hash);
+        PyObject *block_hash = read_block_hash(&reader, block);
         if (block_hash == NULL) {
             failed = 1;
         }
         else if (block_hash != Py_None) {
-            PyObject *id_object = PyObject_GetAttr(block, str_block_id);
+            PyObject *id_object = read_block(&reader, block, reader.id_offset, str_block_id);
             Py_ssize_t block_id = id_object ? PyLong_AsSsize_t(id_object) : -1;
             Py_XDECREF(id_object);
             if (block_id == -1 && PyErr_Occurred()) {
@@ -634,6 +731,7 @@ mark_hashed(PyObject *Py_UNUSED(module), PyObject *args)
         Py_XDECREF(block_hash);
         Py_DECREF(block);
     }
+    block_reader_release(&reader);
     Py_DECREF(replaced);
     if (failed)
         return NULL;

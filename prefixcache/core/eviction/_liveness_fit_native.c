@@ -9,12 +9,16 @@
  * every few finished requests over up to max_states states, several passes each, and in
  * Python that loop costs more than the rest of the policy.
  *
- * Every input is read once into C arrays; nothing is kept between calls.
+ * Every input is read once into C arrays; nothing is kept between calls. The states come
+ * in arrays of 64-bit ints (array('q')), read through the buffer protocol: they are most
+ * of the input, and converting a list's Python ints one by one cost more than the EM.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define NUM_LEVELS 3
 
@@ -38,6 +42,49 @@ read_longs(PyObject *list, Py_ssize_t n, const char *name)
             return NULL;
         }
     }
+    return values;
+}
+
+/* An object exporting a one-dimensional contiguous buffer of 64-bit ints (format "q", as
+ * array('q') does) into a new C array of longs; its length in *n if n_known is 0, else it
+ * must be *n. NULL and an exception on error. */
+static long *
+read_int64s(PyObject *object, Py_ssize_t *n, int n_known, const char *name)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) { /* no buffer at all */
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be an array('q')", name);
+        }
+        return NULL;
+    }
+    long *values = NULL;
+    Py_ssize_t count = view.len / (Py_ssize_t)sizeof(long long);
+    if (view.ndim != 1 || view.itemsize != (Py_ssize_t)sizeof(long long)
+            || view.format == NULL || strcmp(view.format, "q") != 0
+            || (n_known && count != *n)) {
+        PyErr_Format(PyExc_ValueError, "%s must be an array('q') of one int per state", name);
+        goto done;
+    }
+    values = PyMem_Malloc(sizeof(long) * (size_t)(count ? count : 1));
+    if (values == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const long long *items = view.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (items[i] < LONG_MIN || items[i] > LONG_MAX) { /* where long is 32 bits */
+            PyErr_Format(PyExc_OverflowError, "%s holds an int too large", name);
+            PyMem_Free(values);
+            values = NULL;
+            goto done;
+        }
+        values[i] = (long)items[i];
+    }
+    *n = count;
+done:
+    PyBuffer_Release(&view);
     return values;
 }
 
@@ -85,35 +132,37 @@ PyDoc_STRVAR(fit_doc,
 "fit(starts, continued_at, classes, parents, leaf_p, rates, now, origin, width,\n"
 "    prior_weight, overall, iterations) -> (leaf_p, overall, rates)\n\n"
 "DocumentLivenessModel._fit_in_python's EM, to the last bit. starts: each state's\n"
-"start; continued_at: when it continued, or -1; classes: each state's (coarsest, middle,\n"
-"finest) class ids; parents: per level, coarsest first, each class's parent one level\n"
+"start; continued_at: when it continued, or -1; classes: a tuple of three, each state's\n"
+"class id at each level, coarsest first (these five: arrays of 64-bit ints, format\n"
+"'q'); parents: per level, coarsest first, each class's parent one level\n"
 "up (-1 at the coarsest); leaf_p: p per finest class to start from; rates: per bin,\n"
 "from the bin holding origin; now: the current time; width: releases per bin.");
 
 static PyObject *
 fit(PyObject *module, PyObject *args)
 {
-    PyObject *starts_list, *continued_list, *classes_list, *parents_list, *leaf_list;
+    PyObject *starts_array, *continued_array, *classes_tuple, *parents_list, *leaf_list;
     PyObject *rates_list;
     long now, origin, width;
     double prior_weight, overall;
     int iterations;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!lllddi", &PyList_Type, &starts_list,
-                          &PyList_Type, &continued_list, &PyList_Type, &classes_list,
-                          &PyList_Type, &parents_list, &PyList_Type, &leaf_list,
-                          &PyList_Type, &rates_list, &now, &origin, &width, &prior_weight,
-                          &overall, &iterations))
+    if (!PyArg_ParseTuple(args, "OOO!O!O!O!lllddi", &starts_array, &continued_array,
+                          &PyTuple_Type, &classes_tuple, &PyList_Type, &parents_list,
+                          &PyList_Type, &leaf_list, &PyList_Type, &rates_list, &now,
+                          &origin, &width, &prior_weight, &overall, &iterations))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(starts_list);
+    Py_ssize_t n = 0;
     Py_ssize_t num_bins = PyList_GET_SIZE(rates_list);
     Py_ssize_t num_leaves = PyList_GET_SIZE(leaf_list);
-    if (width < 1 || num_bins < 1 || now < origin || PyList_GET_SIZE(classes_list) != n
+    if (width < 1 || num_bins < 1 || now < origin
+            || PyTuple_GET_SIZE(classes_tuple) != NUM_LEVELS
             || PyList_GET_SIZE(parents_list) != NUM_LEVELS) {
         PyErr_SetString(PyExc_ValueError, "fit: inconsistent window, classes or parents");
         return NULL;
     }
     long span = now - origin + 1; /* the releases the states span, from offset 0 */
     long *starts = NULL, *continued_at = NULL, *classes = NULL, *parents[NUM_LEVELS] = {0};
+    long *level_classes[NUM_LEVELS] = {0};
     long *events = NULL, *trials = NULL, *bin_ends = NULL, *waiting = NULL;
     long *start_offsets = NULL, *end_offsets = NULL;
     double *leaf_p = NULL, *rates = NULL, *weights = NULL, *at_bin_start = NULL;
@@ -121,8 +170,8 @@ fit(PyObject *module, PyObject *args)
     Py_ssize_t num_classes[NUM_LEVELS];
     PyObject *result = NULL;
 
-    starts = read_longs(starts_list, n, "starts");
-    continued_at = starts ? read_longs(continued_list, n, "continued_at") : NULL;
+    starts = read_int64s(starts_array, &n, 0, "starts");
+    continued_at = starts ? read_int64s(continued_array, &n, 1, "continued_at") : NULL;
     leaf_p = continued_at ? read_doubles(leaf_list, num_leaves, "leaf_p") : NULL;
     rates = leaf_p ? read_doubles(rates_list, num_bins, "rates") : NULL;
     if (rates == NULL)
@@ -152,16 +201,15 @@ fit(PyObject *module, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *path = PyList_GET_ITEM(classes_list, i);
-        if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != NUM_LEVELS) {
-            PyErr_SetString(PyExc_ValueError, "fit: one (coarsest, middle, finest) per state");
+    for (int level = 0; level < NUM_LEVELS; level++) {
+        level_classes[level] = read_int64s(PyTuple_GET_ITEM(classes_tuple, level), &n, 1,
+                                           "classes");
+        if (level_classes[level] == NULL)
             goto done;
-        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
         for (int level = 0; level < NUM_LEVELS; level++) {
-            long id = PyLong_AsLong(PyTuple_GET_ITEM(path, level));
-            if (id == -1 && PyErr_Occurred())
-                goto done;
+            long id = level_classes[level][i];
             if (id < 0 || id >= num_classes[level]) {
                 PyErr_SetString(PyExc_ValueError, "fit: a class id out of range");
                 goto done;
@@ -323,6 +371,7 @@ done:
     PyMem_Free(exposure);
     for (int level = 0; level < NUM_LEVELS; level++) {
         PyMem_Free(parents[level]);
+        PyMem_Free(level_classes[level]);
         PyMem_Free(estimates[level]);
     }
     return result;

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 
 from prefixcache.core.hashing import BlockHash
 
@@ -135,15 +136,21 @@ class DocumentLivenessModel:
         # Classes: three levels, each class with an id and its parent's id one level up.
         self._class_ids: list[dict[tuple, int]] = [{}, {}, {}]
         self._class_parents: list[list[int]] = [[], [], []]
+        # The id path of each finest class met (a class's path never changes).
+        self._id_paths: dict[tuple, tuple[int, int, int]] = {}
         self._leaf_p: list[float] = []  # per finest class; overall_p until fitted
         # logit of each, and of overall_p, computed once per fit: keys read them often.
         self._leaf_log_odds: list[float] = []
         self.overall_log_odds = logit(self.overall_p)
-        # States, oldest first; ids are absolute, list index = id - _first_state_id.
+        # States, oldest first; ids are absolute, index = id - _first_state_id. Kept in
+        # arrays of 64-bit ints, which the C fit reads as they are, where lists would
+        # have it convert every Python int at every fit.
         self._first_state_id = 0
-        self._state_classes: list[tuple[int, int, int]] = []
-        self._state_start: list[int] = []
-        self._state_continued_at: list[int] = []  # -1 while waiting
+        # Each state's class id at each level, coarsest first.
+        self._state_class_ids: tuple[array, array, array] = (
+            array("q"), array("q"), array("q"))
+        self._state_start = array("q")
+        self._state_continued_at = array("q")  # -1 while waiting
         # The waits that have ended among the states kept, in order, and their sum: the
         # wait's shape is taken from them after every fit.
         self._ended_waits: list[int] = []
@@ -159,20 +166,25 @@ class DocumentLivenessModel:
 
     # -- classes ------------------------------------------------------------------------
 
-    def class_path(self, document: DocumentHistory) -> tuple[tuple, tuple, tuple]:
-        """The document's class at each level, coarsest first."""
+    def finest_class_key(self, document: DocumentHistory) -> tuple:
+        """The document's finest class; its first one and first two items are its coarser
+        classes."""
         if document.num_requests == 1:
-            output_bits = document.first_output_tokens.bit_length()
-            return (("first",), ("first", output_bits),
-                    ("first", output_bits, document.first_prompt_tokens.bit_length()))
-        spread_bits = (document.max_prompt_tokens - document.min_prompt_tokens).bit_length()
-        return (("again",), ("again", spread_bits),
-                ("again", spread_bits, min(document.num_requests, self.max_count)))
+            return ("first", document.first_output_tokens.bit_length(),
+                    document.first_prompt_tokens.bit_length())
+        return ("again",
+                (document.max_prompt_tokens - document.min_prompt_tokens).bit_length(),
+                min(document.num_requests, self.max_count))
 
-    def _class_id_path(self, path: tuple[tuple, tuple, tuple]) -> tuple[int, int, int]:
+    def _class_id_path(self, finest_key: tuple) -> tuple[int, int, int]:
+        """The ids of the classes on the path to ``finest_key``, coarsest first (each
+        class numbered when first met)."""
+        path = self._id_paths.get(finest_key)
+        if path is not None:
+            return path
         ids = []
         parent = -1
-        for level, key in enumerate(path):
+        for level, key in enumerate((finest_key[:1], finest_key[:2], finest_key)):
             class_ids = self._class_ids[level]
             class_id = class_ids.get(key)
             if class_id is None:
@@ -183,7 +195,8 @@ class DocumentLivenessModel:
                     self._leaf_log_odds.append(self.overall_log_odds)
             ids.append(class_id)
             parent = class_id
-        return ids[0], ids[1], ids[2]
+        path = self._id_paths[finest_key] = (ids[0], ids[1], ids[2])
+        return path
 
     # -- events -------------------------------------------------------------------------
 
@@ -201,13 +214,18 @@ class DocumentLivenessModel:
             wait = self.now - self._state_start[previous]
             bisect.insort(self._ended_waits, wait)
             self._ended_waits_total += wait
-        self._state_classes.append(self._class_id_path(self.class_path(document)))
+        coarsest, middle, finest = self._class_id_path(self.finest_class_key(document))
+        coarsest_ids, middle_ids, finest_ids = self._state_class_ids
+        coarsest_ids.append(coarsest)
+        middle_ids.append(middle)
+        finest_ids.append(finest)
         self._state_start.append(self.now)
         self._state_continued_at.append(-1)
         if len(self._state_start) > self.max_states:
             drop = len(self._state_start) - self.max_states // 2
-            del self._state_classes[:drop], self._state_start[:drop]
-            del self._state_continued_at[:drop]
+            for class_ids in self._state_class_ids:
+                del class_ids[:drop]
+            del self._state_start[:drop], self._state_continued_at[:drop]
             self._ended_waits = sorted(at - start for start, at in zip(
                 self._state_start, self._state_continued_at, strict=True) if at >= 0)
             self._ended_waits_total = sum(self._ended_waits)
@@ -219,7 +237,7 @@ class DocumentLivenessModel:
 
     def finest_class(self, state_id: int) -> int:
         """The id of the state's finest class (ids are never reused)."""
-        return self._state_classes[state_id - self._first_state_id][2]
+        return self._state_class_ids[2][state_id - self._first_state_id]
 
     def class_probability(self, finest_class: int) -> float:
         """``p`` of a finest class: the chance its documents get another request."""
@@ -316,7 +334,7 @@ class DocumentLivenessModel:
             leaf_p, overall, rates = self._fit_in_python(origin, rates)
         else:
             leaf_p, overall, rates = self.native_fit(
-                self._state_start, self._state_continued_at, self._state_classes,
+                self._state_start, self._state_continued_at, self._state_class_ids,
                 self._class_parents, self._leaf_p, rates, self.now, origin,
                 self.hazard_bin, self.prior_weight, self.overall_p, self.em_iterations)
         self._adopt_fit(leaf_p, overall, first_bin, rates)
@@ -335,7 +353,7 @@ class DocumentLivenessModel:
         width = self.hazard_bin
         starts = self._state_start  # in time order: the first is the earliest
         continued_at = self._state_continued_at
-        classes = self._state_classes
+        leaves = self._state_class_ids[2]
         num_bins = len(rates)
         last_bin = num_bins - 1
         span = now - origin + 1  # the releases the states span, from offset 0
@@ -351,15 +369,14 @@ class DocumentLivenessModel:
             if at < 0:
                 start_bin = min(start // width, last_bin)
                 end_bin = min(end // width, last_bin)
-                waiting.append((index, classes[index][2], start_bin,
+                waiting.append((index, leaves[index], start_bin,
                                 start - start_bin * width, end_bin, end - end_bin * width))
         events = [0] * num_bins  # continuations per bin: the same in every iteration
         for at in continued_at:
             if at >= 0:
                 events[(at - origin) // width] += 1
         num_classes = [len(ids) for ids in self._class_ids]
-        class_of_level = [[state_classes[level] for state_classes in classes]
-                          for level in range(3)]
+        class_of_level = self._state_class_ids
         trials_of_level = []
         for level in range(3):
             trials = [0] * num_classes[level]
@@ -472,8 +489,9 @@ class DocumentLivenessModel:
         states. For reports."""
         rows: dict[tuple, dict] = {}
         middle_keys = {class_id: key for key, class_id in self._class_ids[1].items()}
-        for (_, middle, leaf), continued_at in zip(self._state_classes,
-                                                   self._state_continued_at, strict=True):
+        _, middles, leaves = self._state_class_ids
+        for middle, leaf, continued_at in zip(middles, leaves, self._state_continued_at,
+                                              strict=True):
             row = rows.setdefault(middle_keys[middle], {"states": 0, "continued": 0,
                                                         "p_sum": 0.0})
             row["states"] += 1
