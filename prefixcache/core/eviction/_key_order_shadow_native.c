@@ -187,10 +187,7 @@ Shadow_access(Shadow *self, PyObject *args)
     PyObject **items = PySequence_Fast_ITEMS(sequence);
     Py_ssize_t num_hits = 0;
     int failed = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (PyBytes_CheckExact(items[k])) /* else refused below */
-            keyed_table_prefetch(&self->table, PyObject_Hash(items[k]));
-    }
+    keyed_table_prefetch_keys(&self->table, items, n);
     for (Py_ssize_t k = 0; k < n; k++) { /* hits first: what was held before the request */
         PyObject *block_hash = items[k];
         if (!PyBytes_CheckExact(block_hash)) {

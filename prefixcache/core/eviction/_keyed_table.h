@@ -193,6 +193,17 @@ keyed_table_prefetch(const KeyedTable *table, Py_hash_t hash)
 #endif
 }
 
+/* keyed_table_prefetch for each of the n keys that is exact bytes (the rest are the
+ * caller's to refuse); hashing bytes runs no code. */
+static inline void
+keyed_table_prefetch_keys(const KeyedTable *table, PyObject *const *keys, Py_ssize_t n)
+{
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyBytes_CheckExact(keys[k]))
+            keyed_table_prefetch(table, PyObject_Hash(keys[k]));
+    }
+}
+
 /* The entry holding `key` (exact bytes), or NONE with *slot where it would go. */
 static inline Py_ssize_t
 keyed_table_find(const KeyedTable *table, PyObject *key, Py_hash_t hash, size_t *slot)

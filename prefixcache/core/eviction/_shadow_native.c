@@ -199,10 +199,7 @@ Shadow_access(Shadow *self, PyObject *args, PyObject *kwds)
     Py_ssize_t num_hits = 0;
     int failed = 0;
     self->busy = 1;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (PyBytes_CheckExact(items[k])) /* else refused below */
-            keyed_table_prefetch(&self->table, PyObject_Hash(items[k]));
-    }
+    keyed_table_prefetch_keys(&self->table, items, n);
     for (Py_ssize_t k = n - 1; k >= 0; k--) {
         PyObject *key = items[k];
         if (!PyBytes_CheckExact(key)) {
