@@ -16,7 +16,11 @@ today's ghost-list reach, not the earlier shorter one), the set of recency and
 protection orders alone: 0, 50 and 90 % protected (``no-low-reuse``), the candidates
 without the half-protected one (``no-half``), and one ghost-list reach for every
 candidate instead of the choice between two: ``2q``'s 2 cache-fulls (``ghost-2``) or 4
-(``ghost-4``).
+(``ghost-4``), and the two constants of the choice among candidates: the lead a candidate
+needs to be followed, 0, 5 or 10 % of the leader's count instead of 2 % (``margin-0``,
+``margin-5``, ``margin-10``), and how often the shadows' counts halve, every 1, 2, 3 or 8
+shadow capacities of sampled hashes instead of 4 (``decay-1`` ... ``decay-8``;
+``decay-2-margin-0`` both at once).
 ``adaptive`` is replayed on every trace under each variant of ``--lofo-variants``; for each
 trace left out, the variant with the best mean score on the *other* traces is chosen
 (score: the share of the widest gap closed, minus 1 if it is more than 0.2 points below
@@ -126,6 +130,14 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "no-half": {"candidates": tuple(c for c in CANDIDATES if c.protected_fraction != 0.5)},
     "ghost-2": {"candidates": one_reach_candidates(2)},
     "ghost-4": {"candidates": one_reach_candidates(4)},
+    "margin-0": {"switch_margin": 0.0},
+    "margin-5": {"switch_margin": 0.05},
+    "margin-10": {"switch_margin": 0.10},
+    "decay-1": {"decay_factor": 1},
+    "decay-2": {"decay_factor": 2},
+    "decay-3": {"decay_factor": 3},
+    "decay-8": {"decay_factor": 8},
+    "decay-2-margin-0": {"decay_factor": 2, "switch_margin": 0.0},
 }
 
 

@@ -311,3 +311,16 @@ def test_one_reach_variants_change_only_the_reach(variant, reach):
                                        for c in segment_orders})
     assert [c for c in candidates if c.liveness] == [c for c in CANDIDATES if c.liveness]
     assert Candidate(0.0, False, liveness=True) in candidates
+
+
+@pytest.mark.parametrize("variant", sorted(set(ADAPTIVE_VARIANTS) - {REGISTERED}))
+def test_every_variant_changes_a_setting_the_policy_has(variant):
+    """A variant overrides only class attributes ``adaptive`` already has (a misspelt
+    name would replay the registered policy under another label), and each to a value
+    other than the registered one."""
+    adaptive_class = EVICTION_POLICIES["adaptive"]
+    overrides = ADAPTIVE_VARIANTS[variant]
+    assert overrides
+    for name, value in overrides.items():
+        assert hasattr(adaptive_class, name), name
+        assert getattr(adaptive_class, name) != value, name
