@@ -315,9 +315,9 @@ def test_one_reach_variants_change_only_the_reach(variant, reach):
 
 @pytest.mark.parametrize("variant", sorted(set(ADAPTIVE_VARIANTS) - {REGISTERED}))
 def test_every_variant_changes_a_setting_the_policy_has(variant):
-    """A variant overrides only class attributes ``adaptive`` already has (a misspelt
-    name would replay the registered policy under another label), and each to a value
-    other than the registered one."""
+    """A variant overrides only class attributes ``adaptive`` has, each with a value
+    other than the registered one: a variant that changed nothing would be reported
+    beside the registered policy as if it were another design."""
     adaptive_class = EVICTION_POLICIES["adaptive"]
     overrides = ADAPTIVE_VARIANTS[variant]
     assert overrides
