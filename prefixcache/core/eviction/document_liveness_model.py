@@ -68,11 +68,12 @@ class DocumentHistory:
     """What the policy remembers of one document: its requests so far, its first
     request's lengths, the range of its prompt lengths, its latest state in the model, and
     its latest prompt (how many full blocks, and the hashes of the last
-    :data:`KEPT_TAIL_HASHES` of them)."""
+    :data:`KEPT_TAIL_HASHES` of them), and how many conversations it has had (for a
+    :class:`~prefixcache.core.eviction.conversation_tracker.ConversationTracker`)."""
 
     __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
                  "min_prompt_tokens", "max_prompt_tokens", "state_id",
-                 "num_prompt_blocks", "prompt_tail_hashes")
+                 "num_prompt_blocks", "prompt_tail_hashes", "num_conversations")
 
     def __init__(self, prompt_tokens: int, output_tokens: int) -> None:
         self.num_requests = 0
@@ -83,6 +84,7 @@ class DocumentHistory:
         # Its latest prompt: how many full blocks, and the hashes of the last of them.
         self.num_prompt_blocks = 0
         self.prompt_tail_hashes: list[BlockHash] = []
+        self.num_conversations = 0
 
 
 class DocumentLivenessModel:

@@ -1,0 +1,110 @@
+"""The conversations inside documents: which earlier request a request goes on from, and
+which of its blocks are its conversation's own.
+
+A *document* (``document_tracker.py``) is everything behind a prompt's first block. Where
+many conversations start with one system prompt they are all one document, and whether
+that document is asked about again says little about whether one of its conversations
+goes on. A *conversation* is a chain of requests each of whose prompts contains the
+previous one's: a request goes on from the conversation whose latest prompt's last full
+block its prompt contains (the deepest such block if there are several); otherwise it
+starts a conversation. Hashes chain, so containing that block means containing the whole
+previous prompt: a conversation's next request reaches all of its blocks.
+
+A conversation's *own* blocks start at the first block of its first prompt that no
+earlier prompt had. The blocks before are shared with other conversations (a system
+prompt, a document asked about again) and stay the document's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from prefixcache.core.eviction.document_liveness_model import (
+    DocumentHistory,
+    DocumentLivenessModel,
+)
+from prefixcache.core.eviction.document_tracker import DocumentTracker
+from prefixcache.core.hashing import BlockHash
+from prefixcache.core.request import Request
+
+
+class Conversation:
+    """One conversation: the hash that names it (its first prompt's last full block), the
+    position of its first own block, and its history in the conversations' model."""
+
+    __slots__ = ("name", "own_from", "history")
+
+    def __init__(self, name: BlockHash, own_from: int) -> None:
+        self.name = name
+        self.own_from = own_from
+        self.history: DocumentHistory | None = None
+
+
+class ConversationTracker:
+    """Finds each finished request's conversation (module docstring) and feeds ``model``,
+    a :class:`DocumentLivenessModel` of its own whose *documents* are conversations: its
+    ``p`` is the chance that a conversation goes on.
+
+    Memory is bounded: at most ``max_conversations`` conversations (the least recently
+    continued forgotten first; a request that would have continued a forgotten one starts
+    a new one) and ``max_seen_hashes`` prompt block hashes (the least recently seen
+    forgotten first; a forgotten block counts as never seen). Finding a request's
+    conversation and its own blocks costs O(prompt blocks)."""
+
+    def __init__(self, model: DocumentLivenessModel, max_conversations: int = 20_000,
+                 max_seen_hashes: int = 200_000) -> None:
+        for name, value in (("max_conversations", max_conversations),
+                            ("max_seen_hashes", max_seen_hashes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_seen_hashes = max_seen_hashes
+        # The histories, by conversation name (a conversation's prompts grow, its name
+        # stays); the model learns from them as a document tracker's model would.
+        self.histories = DocumentTracker(model, max_conversations, observe_shares=False)
+        # Each conversation by the last full block of its latest prompt, least recently
+        # continued first.
+        self._by_tail: OrderedDict[BlockHash, Conversation] = OrderedDict()
+        self._seen: OrderedDict[BlockHash, None] = OrderedDict()
+
+    @property
+    def model(self) -> DocumentLivenessModel:
+        return self.histories.model
+
+    @property
+    def max_conversations(self) -> int:
+        return self.histories.max_documents
+
+    def note_request(self, request: Request, hashes: list[BlockHash], document: DocumentHistory,
+                     ) -> Conversation:
+        """Count a finished request with its prompt's full block ``hashes`` (at least
+        one) on its conversation, found or started; a new conversation is counted on
+        ``document`` (its ``num_conversations``). Returns the conversation."""
+        by_tail = self._by_tail
+        conversation = None
+        for position in range(len(hashes) - 1, -1, -1):
+            conversation = by_tail.get(hashes[position])
+            if conversation is not None:
+                del by_tail[hashes[position]]
+                break
+        seen = self._seen
+        if conversation is None:
+            own_from = len(hashes)
+            for position, block_hash in enumerate(hashes):
+                if block_hash not in seen:
+                    own_from = position
+                    break
+            conversation = Conversation(hashes[-1], own_from)
+            document.num_conversations += 1
+        by_tail[hashes[-1]] = conversation
+        if len(by_tail) > self.max_conversations:
+            by_tail.popitem(last=False)
+        for block_hash in hashes:
+            if block_hash in seen:
+                seen.move_to_end(block_hash)
+            else:
+                seen[block_hash] = None
+        while len(seen) > self.max_seen_hashes:
+            seen.popitem(last=False)
+        conversation.history = self.histories.note(request, conversation.name, len(hashes),
+                                                   None, 0)
+        return conversation
