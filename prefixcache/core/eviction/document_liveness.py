@@ -1,5 +1,5 @@
-"""``document-liveness``: evicts first the blocks of the documents least likely to be asked
-about again.
+"""``document-liveness``: evicts first the blocks of the documents and conversations least
+likely to be asked about again.
 
 A *document* is the content behind the first full block of a prompt: every request whose
 prompt starts with the same block (same hash, so same tokens, salt and LoRA) asks about
@@ -15,22 +15,34 @@ document's next request shares. After a silence, a document's log-odds of being 
 ``logit(p) + H(release) - H(now)``; ``H(now)`` is common to every block, so the key ranks
 free blocks by their chance of being alive and reached again.
 
+Many conversations may share one document (a system prompt). With ``conversations`` (the
+default), a :class:`~prefixcache.core.eviction.conversation_tracker.ConversationTracker`
+finds each request's conversation and where the conversation's own blocks start, and a
+second model gives ``q``, the chance that a conversation of its class goes on. A
+conversation's own blocks are keyed ``logit(q) + H(release)`` (its next request reaches
+its whole prompt: no depth term), or the higher of that and the document's key while the
+document has had only one conversation; the blocks it shares with other conversations
+keep the document's key. ``H`` is the documents' model's clock for both.
+
 Contract:
 
 - Blocks holding nothing cached are taken first, in the order they were released.
-- The blocks one finished request releases at one depth class share a key and form a
-  group, kept in release order; among equal keys the group released first goes first.
-- After each refit of the model every free group is re-keyed with the new ``p`` and ``r``
-  (its ``H(release)`` stays).
+- The blocks one finished request releases with the same terms (depth class; shared or
+  own) share a key and form a group, kept in release order; among equal keys the group
+  released first goes first.
+- After each refit of the models every free group is re-keyed with the new ``p``, ``q``
+  and ``r`` (its ``H(release)`` stays).
 - A preempted request's release, or one without a request, is not a request: its blocks
   get the key of an unknown document (``logit`` of the overall ``p``, plus ``H``), and
   the request counts when it finishes.
 - A prefix-cache reset moves every free block to the empty blocks, in eviction order;
-  what was learned about documents is kept.
+  what was learned about documents and conversations is kept.
 - Memory is bounded: at most ``max_documents`` documents (least recently asked about
-  forgotten first), each with its latest prompt's last 64 block hashes, and the model's
+  forgotten first), each with its latest prompt's last 64 block hashes, as many
+  conversations, the conversation tracker's 200,000 prompt block hashes, and the models'
   bounded states. A group release or removal costs O(log groups); every refit re-keys
-  the free groups by their lists, one per (class, depth class): O(classes).
+  the free groups by their lists, one per (document class, depth class, conversation
+  class): O(classes).
 """
 
 from __future__ import annotations
@@ -212,14 +224,23 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
     def policy_state(self) -> dict:
         """The model's overall continuation chance, the mean number of requests between
         an alive document's requests, how many times faster than that rate its clock runs
-        (the wait's shape), and :meth:`DocumentLivenessModel.class_estimates`."""
+        (the wait's shape), and :meth:`DocumentLivenessModel.class_estimates`; with
+        conversations, under ``conversations`` the conversations' model's overall chance
+        of going on and its class estimates."""
         model = self.model
-        return {
+        state = {
             "overall_continuation_probability": model.overall_p,
             "requests_between_a_documents_requests": 1.0 / model.rate,
             "clock_over_fitted_rate": model.wait_shape,
             "classes": model.class_estimates(),
         }
+        if self.conversations is not None:
+            conversation_model = self.conversations.model
+            state["conversations"] = {
+                "overall_continuation_probability": conversation_model.overall_p,
+                "classes": conversation_model.class_estimates(),
+            }
+        return state
 
     def forget_cached_content(self) -> None:
         # Every block is empty now: all go before any content cached from here on. What
