@@ -82,12 +82,24 @@ def test_seen_hashes_are_bounded(max_seen_hashes):
     note(tracker, document, names("s", "x"))
     note(tracker, document, names("p"))
     note(tracker, document, names("q"))
-    assert len(tracker._seen) == min(max_seen_hashes, 4)
-    # "s" was seen, but with three remembered it is the one forgotten: counted as new.
+    # Four seen, one more than three: the older half ("s", "x", both seen first) goes.
+    assert sorted(tracker._seen) == (names("p", "q") if max_seen_hashes == 3
+                                     else names("p", "q", "s", "x"))
+    # A forgotten block counts as never seen.
     own_from = note(tracker, document, names("s", "y")).own_from
     assert own_from == (0 if max_seen_hashes == 3 else 1)
     with pytest.raises(ValueError):
         ConversationTracker(DocumentLivenessModel(), max_seen_hashes=0)
+
+
+def test_a_new_conversation_owns_from_its_first_block_no_earlier_prompt_had():
+    tracker = ConversationTracker(DocumentLivenessModel())
+    document = DocumentHistory(0, 0)
+    note(tracker, document, names("s", "t", "u", "a"))
+    for depth in range(5):
+        # Shares the first `depth` blocks (at most three) with the first prompt.
+        prompt = names("s", "t", "u")[:depth] + names(*(f"new{depth}-{i}" for i in range(4)))
+        assert note(tracker, document, prompt).own_from == min(depth, 3)
 
 
 SYSTEM_PROMPT = seq(0, 8)  # two full blocks every conversation starts with

@@ -18,6 +18,7 @@ prompt, a document asked about again) and stay the document's.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import repeat
 
 from prefixcache.core.eviction.document_liveness_model import (
     DocumentHistory,
@@ -47,9 +48,12 @@ class ConversationTracker:
 
     Memory is bounded: at most ``max_conversations`` conversations (the least recently
     continued forgotten first; a request that would have continued a forgotten one starts
-    a new one) and ``max_seen_hashes`` prompt block hashes (the least recently seen
-    forgotten first; a forgotten block counts as never seen). Finding a request's
-    conversation and its own blocks costs O(prompt blocks)."""
+    a new one) and ``max_seen_hashes`` prompt block hashes (past that, the half seen
+    least recently are forgotten; a forgotten block counts as never seen). A request
+    costs O(prompt blocks) in dictionary operations run in C (a check that none of its
+    blocks ends a conversation, the refresh of its blocks as seen) and, in Python, a
+    binary search for a new conversation's first own block or a scan from the prompt's
+    end to the block a continued conversation ended on."""
 
     def __init__(self, model: DocumentLivenessModel, max_conversations: int = 20_000,
                  max_seen_hashes: int = 200_000) -> None:
@@ -64,7 +68,12 @@ class ConversationTracker:
         # Each conversation by the last full block of its latest prompt, least recently
         # continued first.
         self._by_tail: OrderedDict[BlockHash, Conversation] = OrderedDict()
-        self._seen: OrderedDict[BlockHash, None] = OrderedDict()
+        # Every prompt block seen, with the count of requests noted when it last was. A
+        # prompt refreshes all its blocks at once and hashes chain, so a block is never
+        # older than a block after it in a prompt: the seen blocks of a prompt are a
+        # prefix of it, and forgetting the oldest keeps them one.
+        self._seen: dict[BlockHash, int] = {}
+        self._num_noted = 0
 
     @property
     def model(self) -> DocumentLivenessModel:
@@ -81,30 +90,38 @@ class ConversationTracker:
         ``document`` (its ``num_conversations``). Returns the conversation."""
         by_tail = self._by_tail
         conversation = None
-        for position in range(len(hashes) - 1, -1, -1):
-            conversation = by_tail.get(hashes[position])
-            if conversation is not None:
-                del by_tail[hashes[position]]
-                break
+        if not by_tail.keys().isdisjoint(hashes):
+            for position in range(len(hashes) - 1, -1, -1):
+                conversation = by_tail.pop(hashes[position], None)
+                if conversation is not None:
+                    break
         seen = self._seen
         if conversation is None:
-            own_from = len(hashes)
-            for position, block_hash in enumerate(hashes):
-                if block_hash not in seen:
-                    own_from = position
-                    break
-            conversation = Conversation(hashes[-1], own_from)
+            # The first block not seen: the seen ones are a prefix of the prompt.
+            low, high = 0, len(hashes)
+            while low < high:
+                middle = (low + high) // 2
+                if hashes[middle] in seen:
+                    low = middle + 1
+                else:
+                    high = middle
+            conversation = Conversation(hashes[-1], low)
             document.num_conversations += 1
         by_tail[hashes[-1]] = conversation
         if len(by_tail) > self.max_conversations:
             by_tail.popitem(last=False)
-        for block_hash in hashes:
-            if block_hash in seen:
-                seen.move_to_end(block_hash)
-            else:
-                seen[block_hash] = None
-        while len(seen) > self.max_seen_hashes:
-            seen.popitem(last=False)
+        self._num_noted += 1
+        seen.update(zip(hashes, repeat(self._num_noted)))
+        if len(seen) > self.max_seen_hashes:
+            self._forget_older_half()
         conversation.history = self.histories.note(request, conversation.name, len(hashes),
                                                    None, 0)
         return conversation
+
+    def _forget_older_half(self) -> None:
+        """Forget the blocks seen least recently: every block last seen no later than
+        the lower median of the request counts (at least half of them)."""
+        counts = sorted(self._seen.values())
+        cutoff = counts[(len(counts) - 1) // 2]
+        self._seen = {block_hash: count for block_hash, count in self._seen.items()
+                      if count > cutoff}
