@@ -82,7 +82,7 @@ def test_seen_hashes_are_bounded(max_seen_hashes):
     note(tracker, document, names("s", "x"))
     note(tracker, document, names("p"))
     note(tracker, document, names("q"))
-    # Four seen, one more than three: the older half ("s", "x", both seen first) goes.
+    # Four seen, one more than three: the half seen first ("s", "x") goes.
     assert sorted(tracker._seen) == (names("p", "q") if max_seen_hashes == 3
                                      else names("p", "q", "s", "x"))
     # A forgotten block counts as never seen.

@@ -18,7 +18,7 @@ prompt, a document asked about again) and stay the document's.
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import repeat
+from itertools import islice, repeat
 
 from prefixcache.core.eviction.document_liveness_model import (
     DocumentHistory,
@@ -49,11 +49,11 @@ class ConversationTracker:
     Memory is bounded: at most ``max_conversations`` conversations (the least recently
     continued forgotten first; a request that would have continued a forgotten one starts
     a new one) and ``max_seen_hashes`` prompt block hashes (past that, the half seen
-    least recently are forgotten; a forgotten block counts as never seen). A request
-    costs O(prompt blocks) in dictionary operations run in C (a check that none of its
-    blocks ends a conversation, the refresh of its blocks as seen) and, in Python, a
-    binary search for a new conversation's first own block or a scan from the prompt's
-    end to the block a continued conversation ended on."""
+    first is forgotten; a forgotten block counts as never seen).
+    A request costs a check, in C, that none of its blocks ends a conversation; in
+    Python, a scan from the prompt's end to the block a continued conversation ended on,
+    or a binary search for a new conversation's first own block; and one dictionary
+    insertion per block not seen before."""
 
     def __init__(self, model: DocumentLivenessModel, max_conversations: int = 20_000,
                  max_seen_hashes: int = 200_000) -> None:
@@ -68,12 +68,11 @@ class ConversationTracker:
         # Each conversation by the last full block of its latest prompt, least recently
         # continued first.
         self._by_tail: OrderedDict[BlockHash, Conversation] = OrderedDict()
-        # Every prompt block seen, with the count of requests noted when it last was. A
-        # prompt refreshes all its blocks at once and hashes chain, so a block is never
-        # older than a block after it in a prompt: the seen blocks of a prompt are a
-        # prefix of it, and forgetting the oldest keeps them one.
-        self._seen: dict[BlockHash, int] = {}
-        self._num_noted = 0
+        # Every prompt block seen, oldest first. Hashes chain: a prompt whose block was
+        # seen had every block before it too, so the blocks of a prompt seen before are
+        # a prefix of it (but for blocks forgotten), and only the blocks after that
+        # prefix need adding.
+        self._seen: dict[BlockHash, None] = {}
 
     @property
     def model(self) -> DocumentLivenessModel:
@@ -94,6 +93,8 @@ class ConversationTracker:
             for position in range(len(hashes) - 1, -1, -1):
                 conversation = by_tail.pop(hashes[position], None)
                 if conversation is not None:
+                    # Everything up to here was its latest prompt, seen then.
+                    new_from = position + 1
                     break
         seen = self._seen
         if conversation is None:
@@ -106,22 +107,15 @@ class ConversationTracker:
                 else:
                     high = middle
             conversation = Conversation(hashes[-1], low)
+            new_from = low
             document.num_conversations += 1
         by_tail[hashes[-1]] = conversation
         if len(by_tail) > self.max_conversations:
             by_tail.popitem(last=False)
-        self._num_noted += 1
-        seen.update(zip(hashes, repeat(self._num_noted)))
-        if len(seen) > self.max_seen_hashes:
-            self._forget_older_half()
+        if new_from < len(hashes):
+            seen.update(zip(hashes[new_from:], repeat(None)))
+            if len(seen) > self.max_seen_hashes:
+                self._seen = dict(islice(seen.items(), len(seen) // 2, None))
         conversation.history = self.histories.note(request, conversation.name, len(hashes),
                                                    None, 0)
         return conversation
-
-    def _forget_older_half(self) -> None:
-        """Forget the blocks seen least recently: every block last seen no later than
-        the lower median of the request counts (at least half of them)."""
-        counts = sorted(self._seen.values())
-        cutoff = counts[(len(counts) - 1) // 2]
-        self._seen = {block_hash: count for block_hash, count in self._seen.items()
-                      if count > cutoff}
