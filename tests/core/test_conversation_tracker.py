@@ -19,9 +19,10 @@ from tests.core.helpers import free_ids, make_manager, seq
 from tests.core.test_document_liveness import BLOCK_SIZE, run_request
 
 
-def note(tracker: ConversationTracker, document: DocumentHistory, hashes: list[bytes]):
+def note(tracker: ConversationTracker, document: DocumentHistory, hashes: list[bytes],
+         previous_prompt: tuple[int, list[bytes]] | None = None):
     request = Request(f"r{tracker.model.now}", list(range(BLOCK_SIZE * len(hashes))))
-    return tracker.note_request(request, hashes, document)
+    return tracker.note_request(request, hashes, document, previous_prompt)
 
 
 def names(*labels: str) -> list[bytes]:
@@ -82,8 +83,8 @@ def test_seen_hashes_are_bounded(max_seen_hashes):
     note(tracker, document, names("s", "x"))
     note(tracker, document, names("p"))
     note(tracker, document, names("q"))
-    # Four seen, one more than three: the half seen first ("s", "x") goes.
-    assert sorted(tracker._seen) == (names("p", "q") if max_seen_hashes == 3
+    # Four seen, one more than three: all but the one seen last go.
+    assert sorted(tracker._seen) == (names("q") if max_seen_hashes == 3
                                      else names("p", "q", "s", "x"))
     # A forgotten block counts as never seen.
     own_from = note(tracker, document, names("s", "y")).own_from
@@ -100,6 +101,24 @@ def test_a_new_conversation_owns_from_its_first_block_no_earlier_prompt_had():
         # Shares the first `depth` blocks (at most three) with the first prompt.
         prompt = names("s", "t", "u")[:depth] + names(*(f"new{depth}-{i}" for i in range(4)))
         assert note(tracker, document, prompt).own_from == min(depth, 3)
+
+
+def test_where_seen_blocks_were_forgotten_the_documents_latest_prompt_still_counts():
+    tracker = ConversationTracker(DocumentLivenessModel(), max_seen_hashes=2)
+    document = DocumentHistory(0, 0)
+    first = names("d1", "d2", "d3", "q1")
+    note(tracker, document, first)
+    note(tracker, DocumentHistory(0, 0), names("x", "y", "z"))  # another document's
+    assert not set(first) & set(tracker._seen)
+    second = names("d1", "d2", "d3", "q2")
+    # Without the document's latest prompt, nothing of the second question was seen...
+    assert note(tracker, document, second).own_from == 0
+    # ... with it (its block count and last hashes), the document's three blocks were.
+    assert note(tracker, document, names("d1", "d2", "d3", "q3"),
+                previous_prompt=(4, second[-2:])).own_from == 3
+    # Only what its tail shows counts: here the prompts part before the tail's first block.
+    assert note(tracker, document, names("d1", "e2", "e3", "q4"),
+                previous_prompt=(4, second[-2:])).own_from == 0
 
 
 SYSTEM_PROMPT = seq(0, 8)  # two full blocks every conversation starts with

@@ -12,7 +12,9 @@ previous prompt: a conversation's next request reaches all of its blocks.
 
 A conversation's *own* blocks start at the first block of its first prompt that no
 earlier prompt had. The blocks before are shared with other conversations (a system
-prompt, a document asked about again) and stay the document's.
+prompt, a document asked about again) and stay the document's. Only prompts of the same
+document can share blocks (they share the first), so where the blocks seen have been
+forgotten, the shared part is at least what the document's latest prompt shares with it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from itertools import islice, repeat
 from prefixcache.core.eviction.document_liveness_model import (
     DocumentHistory,
     DocumentLivenessModel,
+    tail_blocks_shared,
 )
 from prefixcache.core.eviction.document_tracker import DocumentTracker
 from prefixcache.core.hashing import BlockHash
@@ -48,8 +51,9 @@ class ConversationTracker:
 
     Memory is bounded: at most ``max_conversations`` conversations (the least recently
     continued forgotten first; a request that would have continued a forgotten one starts
-    a new one) and ``max_seen_hashes`` prompt block hashes (past that, the half seen
-    first is forgotten; a forgotten block counts as never seen).
+    a new one) and ``max_seen_hashes`` prompt block hashes (past that, all but the half
+    seen last are forgotten; a forgotten block counts as never seen, but for what the
+    document's latest prompt shows).
     A request costs a check, in C, that none of its blocks ends a conversation; in
     Python, a scan from the prompt's end to the block a continued conversation ended on,
     or a binary search for a new conversation's first own block; and one dictionary
@@ -83,10 +87,14 @@ class ConversationTracker:
         return self.histories.max_documents
 
     def note_request(self, request: Request, hashes: list[BlockHash], document: DocumentHistory,
+                     previous_prompt: tuple[int, list[BlockHash]] | None = None,
                      ) -> Conversation:
         """Count a finished request with its prompt's full block ``hashes`` (at least
         one) on its conversation, found or started; a new conversation is counted on
-        ``document`` (its ``num_conversations``). Returns the conversation."""
+        ``document`` (its ``num_conversations``). ``previous_prompt``, the number of full
+        blocks of the document's latest prompt before this one and the hashes of its last
+        ones, if known, bounds a new conversation's shared part from below. Returns the
+        conversation."""
         by_tail = self._by_tail
         conversation = None
         if not by_tail.keys().isdisjoint(hashes):
@@ -106,8 +114,14 @@ class ConversationTracker:
                     low = middle + 1
                 else:
                     high = middle
-            conversation = Conversation(hashes[-1], low)
-            new_from = low
+            # (Blocks from here on are added as seen, those found shared below too.)
+            new_from = own_from = low
+            if previous_prompt is not None:
+                previous_num_blocks, previous_tail = previous_prompt
+                in_tail = tail_blocks_shared(previous_num_blocks, previous_tail, hashes)
+                if in_tail:
+                    own_from = max(own_from, previous_num_blocks - len(previous_tail) + in_tail)
+            conversation = Conversation(hashes[-1], own_from)
             document.num_conversations += 1
         by_tail[hashes[-1]] = conversation
         if len(by_tail) > self.max_conversations:
@@ -115,7 +129,8 @@ class ConversationTracker:
         if new_from < len(hashes):
             seen.update(zip(hashes[new_from:], repeat(None)))
             if len(seen) > self.max_seen_hashes:
-                self._seen = dict(islice(seen.items(), len(seen) // 2, None))
+                self._seen = dict(islice(seen.items(), len(seen) - self.max_seen_hashes // 2,
+                                         None))
         conversation.history = self.histories.note(request, conversation.name, len(hashes),
                                                    None, 0)
         return conversation

@@ -175,9 +175,13 @@ class DocumentLivenessFreeBlockQueue(GroupedScoredFreeBlockQueue):
             return
         model = self.model
         block_size = request.block_hasher.block_size
-        document = self.tracker.note_request(request, hashes, block_size)
         conversations = self.conversations
-        conversation = (conversations.note_request(request, hashes, document)
+        previous = self.tracker.documents.get(hashes[0]) if conversations is not None else None
+        # The document's latest prompt before this one (noting this one replaces it).
+        previous_prompt = (None if previous is None
+                           else (previous.num_prompt_blocks, previous.prompt_tail_hashes))
+        document = self.tracker.note_request(request, hashes, block_size)
+        conversation = (conversations.note_request(request, hashes, document, previous_prompt)
                         if conversations is not None else None)
         num_fits = (model.num_fits, conversations.model.num_fits if conversations else 0)
         if num_fits != self._num_fits_keyed:
