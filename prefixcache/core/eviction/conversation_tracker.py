@@ -53,11 +53,10 @@ class ConversationTracker:
     continued forgotten first; a request that would have continued a forgotten one starts
     a new one) and ``max_seen_hashes`` prompt block hashes (past that, all but the half
     seen last are forgotten; a forgotten block counts as never seen, but for what the
-    document's latest prompt shows).
-    A request costs a check, in C, that none of its blocks ends a conversation; in
-    Python, a scan from the prompt's end to the block a continued conversation ended on,
-    or a binary search for a new conversation's first own block; and one dictionary
-    insertion per block not seen before."""
+    document's latest prompt shows). A request costs a check, in C, that none of its
+    blocks ends a conversation; in Python, a scan from the prompt's end to the block a
+    continued conversation ended on, or a binary search for a new conversation's first
+    own block; and one dictionary insertion per block not seen before."""
 
     def __init__(self, model: DocumentLivenessModel, max_conversations: int = 20_000,
                  max_seen_hashes: int = 200_000) -> None:
@@ -114,7 +113,8 @@ class ConversationTracker:
                     low = middle + 1
                 else:
                     high = middle
-            # (Blocks from here on are added as seen, those found shared below too.)
+            # Every block from the first unseen on is added as seen, including any that
+            # the document's latest prompt shows was shared (and so was forgotten).
             new_from = own_from = low
             if previous_prompt is not None:
                 previous_num_blocks, previous_tail = previous_prompt
