@@ -93,10 +93,12 @@ def timeline_sweep(prepared, policies: list[str]) -> dict:
 
 
 def _liveness_variant(knobs: dict) -> type[DocumentLivenessFreeBlockQueue]:
-    """document-liveness whose model has ``knobs`` instead of the defaults."""
+    """document-liveness whose models (documents' and conversations') have ``knobs``
+    instead of the defaults."""
     class Variant(DocumentLivenessFreeBlockQueue):
         def __init__(self, blocks) -> None:
-            super().__init__(blocks, model=DocumentLivenessModel(**knobs))
+            super().__init__(blocks, model=DocumentLivenessModel(**knobs),
+                             conversation_model=DocumentLivenessModel(**knobs))
     return Variant
 
 

@@ -89,15 +89,27 @@ def format_learned_reuse(state: dict) -> str:
 
 
 def format_document_liveness(state: dict) -> str:
-    """document-liveness's model: per class of document, the states seen (a document
-    having just had a request), how many were followed by another request so far, and
-    the estimated chance of another request (which counts the silences too)."""
+    """document-liveness's models: per class of document (and of conversation, where it
+    follows them), the states seen (one having just had a request), how many were
+    followed by another request so far, and the estimated chance of another request
+    (which counts the silences too)."""
     lines = [f"document-liveness: chance a document is asked about again (overall "
              f"{100 * state['overall_continuation_probability']:.1f} %; a live document's "
              f"next request comes every ~{state['requests_between_a_documents_requests']:,.0f}"
              f" requests; silence counts {state['clock_over_fitted_rate']:.2f}x that rate)",
-             f"{'after':>6}  {'class':<30}  {'states':>7}  {'continued':>9}  {'estimate':>8}"]
-    for row in state["classes"]:
+             *_liveness_class_rows(state["classes"])]
+    conversations = state.get("conversations")
+    if conversations is not None:
+        lines += [f"document-liveness: chance a conversation goes on (overall "
+                  f"{100 * conversations['overall_continuation_probability']:.1f} %)",
+                  *_liveness_class_rows(conversations["classes"])]
+    return "\n".join(lines)
+
+
+def _liveness_class_rows(classes: list[dict]) -> list[str]:
+    """A header and one row per class of a liveness model's estimates."""
+    lines = [f"{'after':>6}  {'class':<30}  {'states':>7}  {'continued':>9}  {'estimate':>8}"]
+    for row in classes:
         kind, bits = row["class"]
         low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
         span = str(low) if low == high else f"{low}-{high}"
@@ -105,7 +117,7 @@ def format_document_liveness(state: dict) -> str:
                         else ("later", f"prompt lengths vary by {span}"))
         lines.append(f"{after:>6}  {label:<30}  {row['states']:>7,}  {row['continued']:>9,}  "
                      f"{100 * row['estimated_p']:>7.1f}%")
-    return "\n".join(lines)
+    return lines
 
 
 def format_sweep(result: SweepResult, block_size: int, kv_bytes_per_token: int) -> str:

@@ -319,7 +319,11 @@ def test_memory_stays_bounded():
 
 
 def test_a_question_block_goes_before_the_document_it_asks_about():
-    mgr = make_liveness_manager()
+    # The depth term on its own: with conversations, each question starts one, and its
+    # block is judged by whether that conversation goes on (test_conversation_tracker.py).
+    mgr = make_manager(num_blocks=400, block_size=BLOCK_SIZE,
+                       free_queue_factory=lambda blocks, _: DocumentLivenessFreeBlockQueue(
+                           blocks, conversations=False))
     document = seq(0, 12)  # three full blocks
     first = run_request(mgr, "q1", document + seq(500, 4) + [1])
     second = run_request(mgr, "q2", document + seq(600, 4) + [2])
@@ -381,9 +385,11 @@ def test_free_blocks_are_rekeyed_when_the_estimates_are_refitted():
     for i in range(model.refit_every):  # documents of the same kind that never come back
         run_request(mgr, f"d{i}", seq(1000 * (i + 1), 13))
     assert model.num_fits == 1
-    finest_class, clock, depth = queue._group_of[early[0]].parts
-    refitted = (logit(model.class_probability(finest_class)) + clock
-                + model.log_share_reached(depth))
+    document_class, clock, depth, conversation_class = queue._group_of[early[0]].parts
+    # The only conversation of its document: the higher of the two terms.
+    refitted = clock + max(
+        logit(model.class_probability(document_class)) + model.log_share_reached(depth),
+        logit(queue.conversation_model.class_probability(conversation_class)))
     key_now = queue.free_block_keys()[early[0]]
     assert key_now == pytest.approx(refitted)
     assert key_now < key_at_release  # its kind has proved not to come back

@@ -108,6 +108,15 @@ def test_document_liveness_replay_shows_its_model(small_trace, tmp_path, capsys)
     # Every request with a full prompt block is one state of its document.
     assert sum(row["states"] for row in rows) <= 200
     assert state["requests_between_a_documents_requests"] > 1
+    # And one of its conversation: as many states, fewer of them continued (a document
+    # goes on whenever any of its conversations does, or a new one starts).
+    conversations = state["conversations"]
+    assert "document-liveness: chance a conversation goes on" in text
+    conversation_rows = conversations["classes"]
+    assert (sum(row["states"] for row in conversation_rows)
+            == sum(row["states"] for row in rows))
+    assert (sum(row["continued"] for row in conversation_rows)
+            <= sum(row["continued"] for row in rows))
 
 
 def test_sweep_writes_json_and_a_png(small_trace, tmp_path, capsys):

@@ -64,15 +64,35 @@ def logit(p: float) -> float:
 KEPT_TAIL_HASHES = 64
 
 
+def tail_blocks_shared(previous_num_blocks: int, previous_tail_hashes: list[BlockHash],
+                       new_hashes: list[BlockHash]) -> int:
+    """How many of the given last hashes of a previous prompt of ``previous_num_blocks``
+    full blocks are in the prefix ``new_hashes`` shares with it, counted from the tail's
+    first. Hashes chain, so what two prompts share is a common prefix: a binary search on
+    the positions they have in common finds it."""
+    num_tail = len(previous_tail_hashes)
+    tail_start = previous_num_blocks - num_tail  # the tail's first block's position
+    low, high = 0, num_tail
+    while low < high:
+        middle = (low + high) // 2
+        position = tail_start + middle
+        if position < len(new_hashes) and new_hashes[position] == previous_tail_hashes[middle]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 class DocumentHistory:
     """What the policy remembers of one document: its requests so far, its first
     request's lengths, the range of its prompt lengths, its latest state in the model, and
     its latest prompt (how many full blocks, and the hashes of the last
-    :data:`KEPT_TAIL_HASHES` of them)."""
+    :data:`KEPT_TAIL_HASHES` of them), and how many conversations it has had (for a
+    :class:`~prefixcache.core.eviction.conversation_tracker.ConversationTracker`)."""
 
     __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
                  "min_prompt_tokens", "max_prompt_tokens", "state_id",
-                 "num_prompt_blocks", "prompt_tail_hashes")
+                 "num_prompt_blocks", "prompt_tail_hashes", "num_conversations")
 
     def __init__(self, prompt_tokens: int, output_tokens: int) -> None:
         self.num_requests = 0
@@ -83,6 +103,7 @@ class DocumentHistory:
         # Its latest prompt: how many full blocks, and the hashes of the last of them.
         self.num_prompt_blocks = 0
         self.prompt_tail_hashes: list[BlockHash] = []
+        self.num_conversations = 0
 
 
 class DocumentLivenessModel:
@@ -289,24 +310,13 @@ class DocumentLivenessModel:
         prompt's ``previous_num_blocks`` blocks (of which the hashes of the last ones are
         given), the blocks it shared.
 
-        Hashes chain, so what two prompts share is a common prefix: the tail's blocks in
-        it are found by a binary search on the positions the two prompts have in common,
-        and a block before the given tail is shared exactly when the tail's first block is
-        — unless the prompts part inside that deep stretch, which then counts as not
-        shared."""
+        The tail's blocks the next prompt shares are counted by
+        :func:`tail_blocks_shared`; a block before the given tail is shared exactly when
+        the tail's first block is — unless the prompts part inside that deep stretch,
+        which then counts as not shared."""
         num_tail = len(previous_tail_hashes)
-        tail_start = previous_num_blocks - num_tail  # the tail's first block's position
-        # The tail's first ``num_tail_shared`` blocks are in the common prefix.
-        low, high = 0, num_tail
-        while low < high:
-            middle = (low + high) // 2
-            position = tail_start + middle
-            if (position < len(new_hashes)
-                    and new_hashes[position] == previous_tail_hashes[middle]):
-                low = middle + 1
-            else:
-                high = middle
-        num_tail_shared = low
+        num_tail_shared = tail_blocks_shared(previous_num_blocks, previous_tail_hashes,
+                                             new_hashes)
         # The tail's block at distance d from the end is shared when d >= this.
         nearest_shared = num_tail - num_tail_shared
         seen, shared_counts = self._depth_seen, self._depth_shared

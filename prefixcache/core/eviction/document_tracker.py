@@ -56,17 +56,21 @@ class DocumentTracker:
             return None
         # Without shares to observe, only the first hash and the count are needed.
         hashes = request.block_hashes[:num_prompt_blocks] if self.observe_shares else None
-        return self._note(request, request.block_hashes[0], num_prompt_blocks, hashes,
-                          block_size)
+        return self.note(request, request.block_hashes[0], num_prompt_blocks, hashes,
+                         block_size)
 
     def note_request(self, request: Request, hashes: list[BlockHash],
                      block_size: int) -> DocumentHistory:
         """:meth:`note_finished` for a request known to count, with its prompt's full
         block ``hashes``."""
-        return self._note(request, hashes[0], len(hashes), hashes, block_size)
+        return self.note(request, hashes[0], len(hashes), hashes, block_size)
 
-    def _note(self, request: Request, root: BlockHash, num_prompt_blocks: int,
-              hashes: list[BlockHash] | None, block_size: int) -> DocumentHistory:
+    def note(self, request: Request, root: BlockHash, num_prompt_blocks: int,
+             hashes: list[BlockHash] | None, block_size: int) -> DocumentHistory:
+        """Count a finished ``request`` with ``num_prompt_blocks`` full prompt blocks on
+        the document named ``root`` (made if new); ``hashes`` are its prompt's full block
+        hashes, needed only with ``observe_shares`` (else None, and ``block_size`` is
+        unused)."""
         documents = self.documents
         document = documents.get(root)
         prompt_tokens = request.num_prompt_tokens
