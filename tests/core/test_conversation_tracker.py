@@ -178,3 +178,19 @@ def test_own_blocks_are_keyed_by_the_conversation_once_the_document_has_several(
     assert all(p[0] != NO_CLASS and p[3] == NO_CLASS for p in parts[:2])
     # Its own block: the conversation's alone (two conversations share the document).
     assert parts[2][0] == NO_CLASS and parts[2][3] != NO_CLASS
+
+
+def test_the_policy_gives_the_tracker_the_documents_prompt_before_this_one():
+    mgr = make_manager(num_blocks=400, block_size=BLOCK_SIZE,
+                       eviction_policy="document-liveness")
+    queue = mgr.block_pool.free_block_queue
+    queue.conversations.max_seen_hashes = 1  # the document's blocks are soon forgotten
+    document = seq(0, 12)  # three full blocks
+    run_request(mgr, "q1", document + seq(500, 4))
+    run_request(mgr, "other", seq(9_000, 12))
+    second = run_request(mgr, "q2", document + seq(600, 4))
+    parts = [queue._group_of[block].parts for block in second]
+    # The document's latest prompt (q1's) shows the three blocks were shared: they keep
+    # the document's key; only the question is the new conversation's own.
+    assert all(p[3] == NO_CLASS for p in parts[:3])
+    assert parts[3][3] != NO_CLASS
