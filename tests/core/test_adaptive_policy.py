@@ -377,3 +377,20 @@ def test_the_liveness_order_keys_a_shared_prefix_by_its_document_and_the_rest_by
     # The liveness shadow saw the request with the same split.
     shadow = queue.shadows[queue.liveness_index]
     assert shadow.shared_parts == shared and shadow.parts[0] != shared[0]
+
+
+def test_where_the_prompts_kept_were_dropped_the_documents_latest_prompt_still_counts():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    queue.conversations.max_seen_hashes = 1  # every prompt but the latest is dropped
+    document = list(range(12))  # three full blocks
+    run_prompt(manager, "q1", document + [500, 501, 502, 503])
+    run_prompt(manager, "other", list(range(9_000, 9_012)))
+    first = queue.documents.documents[manager.block_pool.blocks[0].block_hash]
+    assert all(recent.prompt is None for recent in first.recent_conversations)
+    run_prompt(manager, "q2", document + [600, 601, 602, 603])
+    (conversation,) = [c for c in queue.conversations._by_tail.values()
+                       if c.prompt is not None]
+    # q1's tail, kept with its document, shows the three document blocks were shared:
+    # only the question is the new conversation's own.
+    assert conversation.own_from == 3

@@ -92,6 +92,7 @@ from prefixcache.core.eviction.adaptive_bookkeeping import (
 from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
 from prefixcache.core.eviction.conversation_tracker import ConversationTracker
 from prefixcache.core.eviction.document_liveness_model import (
+    KEPT_TAIL_HASHES,
     DocumentHistory,
     DocumentLivenessModel,
 )
@@ -418,7 +419,15 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             parts = (UNKNOWN_CLASS, liveness.clock, self.num_releases)
             return parts, parts, []
         hashes = prompt_hashes(request)
-        conversation = self.conversations.note_request(request, hashes, document)
+        # The document's latest prompt before this one: where the prompts kept no longer
+        # hold it, what its tail shares still counts (conversation_tracker.py). Kept
+        # here, as the document tracker does not observe shares.
+        previous_prompt = ((document.num_prompt_blocks, document.prompt_tail_hashes)
+                           if document.num_prompt_blocks else None)
+        document.num_prompt_blocks = len(hashes)
+        document.prompt_tail_hashes = hashes[-KEPT_TAIL_HASHES:]
+        conversation = self.conversations.note_request(request, hashes, document,
+                                                       previous_prompt)
         document_class = liveness.finest_class(document.state_id)
         classes = self.liveness_classes
         own_class = classes.key_class(
