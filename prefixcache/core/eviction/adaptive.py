@@ -421,9 +421,12 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         hashes = prompt_hashes(request)
         # The document's latest prompt before this one: where the prompts kept no longer
         # hold it, what its tail shares still counts (conversation_tracker.py). Kept
-        # here, as the document tracker does not observe shares.
+        # here, as the document tracker does not observe shares. While it is kept (its
+        # conversation is the document's latest), the prompt itself counts, and more.
+        recent = document.recent_conversations
         previous_prompt = ((document.num_prompt_blocks, document.prompt_tail_hashes)
-                           if document.num_prompt_blocks else None)
+                           if document.num_prompt_blocks
+                           and (not recent or recent[0].prompt is None) else None)
         document.num_prompt_blocks = len(hashes)
         document.prompt_tail_hashes = hashes[-KEPT_TAIL_HASHES:]
         conversation = self.conversations.note_request(request, hashes, document,

@@ -54,10 +54,11 @@ class Conversation:
         self.prompt: list[BlockHash] | None = None
 
 
-def common_prefix_length(first: list[BlockHash], second: list[BlockHash]) -> int:
-    """How many leading hashes two prompts share. Hashes chain, so what they share is a
-    prefix: a binary search finds its end."""
-    low, high = 0, min(len(first), len(second))
+def common_prefix_length(first: list[BlockHash], second: list[BlockHash],
+                         known: int = 0) -> int:
+    """How many leading hashes two prompts share, known to be at least ``known``. Hashes
+    chain, so what they share is a prefix: a binary search finds its end."""
+    low, high = known, min(len(first), len(second))
     while low < high:
         middle = (low + high) // 2
         if first[middle] == second[middle]:
@@ -141,9 +142,14 @@ class ConversationTracker:
         seen = self._seen
         if conversation is None:
             if self.recent_conversations:
-                low = max((common_prefix_length(recent.prompt, hashes)
-                           for recent in document.recent_conversations
-                           if recent.prompt is not None), default=0)
+                # The longest prefix shared with one of them: a prompt can share more
+                # than the longest so far only if it shares the block after it.
+                low = 0
+                for recent in document.recent_conversations:
+                    prompt = recent.prompt
+                    if (prompt is not None and low < len(prompt) and low < len(hashes)
+                            and prompt[low] == hashes[low]):
+                        low = common_prefix_length(prompt, hashes, low + 1)
             else:
                 # The first block not seen: the seen ones are a prefix of the prompt.
                 low, high = 0, len(hashes)
