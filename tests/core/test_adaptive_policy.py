@@ -350,3 +350,47 @@ def test_a_reset_while_following_the_liveness_order_empties_it():
     assert queue.documents.documents  # what was learned about documents is kept
     run_prompt(manager, "b", list(range(40)), 3)
     assert_whole(manager)
+
+
+def test_the_liveness_order_keys_a_shared_prefix_by_its_document_and_the_rest_by_its_conversation():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    classes = queue.liveness_classes
+    system = list(range(8))  # two full blocks every conversation starts with
+    run_prompt(manager, "first", system + [100, 101, 102, 103])
+    first_blocks = [b for b in manager.block_pool.blocks if b.block_hash is not None]
+    # The only conversation of its document: one class for all, the higher of the two.
+    (only,) = {queue.release_parts[b.block_id][0] for b in first_blocks}
+    assert classes._pairs[only][0] >= 0 and classes._pairs[only][1] >= 0
+    run_prompt(manager, "second", system + [200, 201, 202, 203])
+    system_parts = {queue.release_parts[b.block_id]
+                    for b in manager.block_pool.blocks[:2]}
+    (shared,) = system_parts
+    # Released again by the second conversation, the system prompt is the document's...
+    assert classes._pairs[shared[0]][1] == -2 and classes._pairs[shared[0]][0] >= 0
+    own = [b for b in manager.block_pool.blocks
+           if b.block_hash is not None and b.block_id not in (0, 1)
+           and queue.release_parts[b.block_id][2] == shared[2]]
+    # ... and the second conversation's own block its alone: the document has two.
+    assert len(own) == 1
+    assert classes._pairs[queue.release_parts[own[0].block_id][0]][0] == -2
+    # The liveness shadow saw the request with the same split.
+    shadow = queue.shadows[queue.liveness_index]
+    assert shadow.shared_parts == shared and shadow.parts[0] != shared[0]
+
+
+def test_where_the_prompts_kept_were_dropped_the_documents_latest_prompt_still_counts():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    queue.conversations.max_seen_hashes = 1  # every prompt but the latest is dropped
+    document = list(range(12))  # three full blocks
+    run_prompt(manager, "q1", document + [500, 501, 502, 503])
+    run_prompt(manager, "other", list(range(9_000, 9_012)))
+    first = queue.documents.documents[manager.block_pool.blocks[0].block_hash]
+    assert all(recent.prompt is None for recent in first.recent_conversations)
+    run_prompt(manager, "q2", document + [600, 601, 602, 603])
+    (conversation,) = [c for c in queue.conversations._by_tail.values()
+                       if c.prompt is not None]
+    # q1's tail, kept with its document, shows the three document blocks were shared:
+    # only the question is the new conversation's own.
+    assert conversation.own_from == 3

@@ -29,8 +29,11 @@ def names(*labels: str) -> list[bytes]:
     return [label.encode() for label in labels]
 
 
-def test_a_request_goes_on_from_the_conversation_whose_latest_prompt_it_contains():
-    tracker = ConversationTracker(DocumentLivenessModel())
+@pytest.mark.parametrize("recent_conversations", [0, 2])
+def test_a_request_goes_on_from_the_conversation_whose_latest_prompt_it_contains(
+        recent_conversations):
+    tracker = ConversationTracker(DocumentLivenessModel(),
+                                  recent_conversations=recent_conversations)
     system = DocumentHistory(0, 0)
     first = note(tracker, system, names("s", "a1"))
     assert first.own_from == 0 and system.num_conversations == 1  # nothing seen before
@@ -93,8 +96,11 @@ def test_seen_hashes_are_bounded(max_seen_hashes):
         ConversationTracker(DocumentLivenessModel(), max_seen_hashes=0)
 
 
-def test_a_new_conversation_owns_from_its_first_block_no_earlier_prompt_had():
-    tracker = ConversationTracker(DocumentLivenessModel())
+@pytest.mark.parametrize("recent_conversations", [0, 4])
+def test_a_new_conversation_owns_from_its_first_block_no_earlier_prompt_had(
+        recent_conversations):
+    tracker = ConversationTracker(DocumentLivenessModel(),
+                                  recent_conversations=recent_conversations)
     document = DocumentHistory(0, 0)
     note(tracker, document, names("s", "t", "u", "a"))
     for depth in range(5):
@@ -119,6 +125,45 @@ def test_where_seen_blocks_were_forgotten_the_documents_latest_prompt_still_coun
     # Only what its tail shows counts: here the prompts part before the tail's first block.
     assert note(tracker, document, names("d1", "e2", "e3", "q4"),
                 previous_prompt=(4, second[-2:])).own_from == 0
+
+
+def test_with_recent_conversations_a_branch_is_found_in_the_latest_k_only():
+    tracker = ConversationTracker(DocumentLivenessModel(), recent_conversations=2)
+    document = DocumentHistory(0, 0)
+    note(tracker, document, names("s", "a1", "a2"))
+    note(tracker, document, names("s", "b1"))
+    # Branches off the first conversation, one of the document's latest two.
+    assert note(tracker, document, names("s", "a1", "x")).own_from == 2
+    note(tracker, document, names("s", "c1"))
+    # Now the second is third latest: only the system prompt is found shared with the
+    # two latest (the set of every block seen would find "b1" too).
+    assert note(tracker, document, names("s", "b1", "y")).own_from == 1
+    assert len(document.recent_conversations) == 2
+    # A conversation going on moves to the front without taking a second place.
+    latest = note(tracker, document, names("s", "c1", "c2"))
+    assert document.recent_conversations[0] is latest
+    assert len(set(map(id, document.recent_conversations))) == 2
+    # Another document's conversations are never compared with.
+    assert note(tracker, DocumentHistory(0, 0), names("s", "b1", "z")).own_from == 0
+    with pytest.raises(ValueError):
+        ConversationTracker(DocumentLivenessModel(), recent_conversations=-1)
+
+
+def test_with_recent_conversations_the_prompts_kept_are_bounded():
+    tracker = ConversationTracker(DocumentLivenessModel(), max_seen_hashes=5,
+                                  recent_conversations=4)
+    document = DocumentHistory(0, 0)
+    first = note(tracker, document, names("s", "a1", "a2"))
+    second = note(tracker, document, names("s", "b1", "b2"))
+    # Six hashes held, one more than five: the prompt kept longest is dropped...
+    assert first.prompt is None and second.prompt == names("s", "b1", "b2")
+    assert tracker._num_kept_hashes == 3
+    # ... so a branch off it is found sharing only what the other shares with it.
+    assert note(tracker, document, names("s", "a1", "x")).own_from == 1
+    assert second.prompt is None  # and the new conversation's prompt took its room
+    # A prompt longer than the bound is kept alone.
+    note(tracker, document, names(*(f"long{i}" for i in range(8))))
+    assert len(tracker._kept) == 1 and tracker._num_kept_hashes == 8
 
 
 SYSTEM_PROMPT = seq(0, 8)  # two full blocks every conversation starts with

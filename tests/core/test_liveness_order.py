@@ -55,10 +55,10 @@ def key_of(model: Estimates, parts) -> float:
 @pytest.mark.parametrize("shadow_type", SHADOWS)
 @pytest.mark.parametrize("seed", range(4))
 def test_the_shadow_keeps_the_highest_keys_and_counts_hits(seed, shadow_type):
-    """Against a plain model: every hash given is held with the access's parts (a hash
-    given again takes the new ones), then the lowest (key, order) go while more than the
-    capacity are held, the order counting hashes deepest first; estimates change at
-    random refits."""
+    """Against a plain model: every hash given is held with the access's parts, or the
+    shared parts for the first ``num_shared`` (a hash given again takes the new ones),
+    then the lowest (key, order) go while more than the capacity are held, the order
+    counting hashes deepest first; estimates change at random refits."""
     rng = random.Random(seed)
     model = Estimates([rng.uniform(-3, 3) for _ in range(5)])
     shadow = shadow_type(12, model)
@@ -70,16 +70,18 @@ def test_the_shadow_keeps_the_highest_keys_and_counts_hits(seed, shadow_type):
         if rng.random() < 0.05:
             model.refit(rng)
         parts = (rng.choice([UNKNOWN_CLASS, 0, 1, 2, 3, 4]), model.clock, step)
+        shared_parts = (rng.choice([0, 1, 2, 3, 4]), model.clock, step)
         hashes = list(dict.fromkeys(bytes([rng.randrange(40)]) * 4
                                     for _ in range(rng.randrange(1, 6))))
+        num_shared = rng.choice([0, 0, rng.randrange(len(hashes) + 1)])
         expected_hits = sum(h in held for h in hashes)
-        for h in reversed(hashes):
+        for position in range(len(hashes) - 1, -1, -1):
             order += 1
-            held[h] = (parts, order)
+            held[hashes[position]] = (shared_parts if position < num_shared else parts, order)
         while len(held) > 12:
             lowest = min(held, key=lambda h: (key_of(model, held[h][0]), held[h][1]))
             del held[lowest]
-        shadow.parts = parts
+        shadow.parts, shadow.shared_parts, shadow.num_shared = parts, shared_parts, num_shared
         assert shadow.access(hashes) == expected_hits
         num_hits += expected_hits
         assert shadow.keys_in_order() == sorted(

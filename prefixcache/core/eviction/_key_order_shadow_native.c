@@ -165,20 +165,23 @@ Shadow_dealloc(Shadow *self)
 }
 
 PyDoc_STRVAR(access_doc,
-"access(hashes, finest_class, clock, key) -> int\n\n"
+"access(hashes, finest_class, clock, key, num_shared=0, shared_class=-1, shared_key=0.0)\n"
+"-> int\n\n"
 "One request's sampled hashes (distinct bytes), prefix first: count the held ones as\n"
-"hits, then hold each with this class, clock and key, the deepest entered first; then\n"
-"evict the lowest (key, order) while more than capacity are held. Returns the hits.\n"
-"After an error (a hash that is not exact bytes) the shadow is whole but may hold part\n"
-"of the request, uncounted.");
+"hits, then hold each with this clock and with this class and key, or, for the first\n"
+"num_shared, with shared_class and shared_key; the deepest entered first; then evict\n"
+"the lowest (key, order) while more than capacity are held. Returns the hits. After an\n"
+"error (a hash that is not exact bytes) the shadow is whole but may hold part of the\n"
+"request, uncounted.");
 
 static PyObject *
 Shadow_access(Shadow *self, PyObject *args)
 {
     PyObject *hashes;
-    Py_ssize_t finest_class;
-    double clock, key;
-    if (!PyArg_ParseTuple(args, "Ondd", &hashes, &finest_class, &clock, &key))
+    Py_ssize_t finest_class, num_shared = 0, shared_class = -1;
+    double clock, key, shared_key = 0.0;
+    if (!PyArg_ParseTuple(args, "Ondd|nnd", &hashes, &finest_class, &clock, &key,
+                          &num_shared, &shared_class, &shared_key))
         return NULL;
     PyObject *sequence = PySequence_Fast(hashes, "hashes must be a sequence of bytes");
     if (sequence == NULL)
@@ -214,9 +217,10 @@ Shadow_access(Shadow *self, PyObject *args)
         if (is_new)
             index = keyed_table_insert(&self->table, block_hash, hash, slot);
         Entry *e = entry(self, index);
-        e->key = key;
+        int shared = k < num_shared;
+        e->key = shared ? shared_key : key;
         e->clock = clock;
-        e->finest_class = finest_class;
+        e->finest_class = shared ? shared_class : finest_class;
         e->order = ++self->order;
         if (is_new) {
             heap_place(self, self->heap_size++, index);

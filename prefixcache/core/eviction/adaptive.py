@@ -30,10 +30,14 @@ candidate (:data:`CANDIDATES`) is a triple:
   the reach followed goes to probation (it still counts for the reuse estimate).
 
 The last candidate is not a segment order: the *liveness order* (``liveness_order.py``),
-``document-liveness``'s key without its depth term, from a
+``document-liveness``'s key without its depth term, from two
 :class:`~prefixcache.core.eviction.document_liveness_model.DocumentLivenessModel` fed with
-every finished request whichever candidate is followed (each block holding content
-remembers the parts of its last release). While it is followed, the free blocks are also
+every finished request whichever candidate is followed: one of documents, one of the
+conversations inside them (``conversation_tracker.py``). A conversation's own content is
+keyed by its chance of going on (or the higher of that and its document's, while it is
+its document's only conversation), what it shares with other conversations by its
+document's (``liveness_classes.py``); each block holding content remembers the parts of
+its last release. While it is followed, the free blocks are also
 held in a :class:`~prefixcache.core.eviction.liveness_order.LivenessOrderQueue`, built
 from them when it takes the lead and dropped when it loses it, and taken from there; the
 segments keep, for a switch back, the order of whichever other candidate's shadow had the
@@ -55,7 +59,9 @@ flap). It starts at the first candidate, the design's order with empty blocks fi
 
 Cost: per block taken, a ghost-list entry if it held content; per block released, a
 byte-array read, a ghost-list lookup and a note of its release; per finished request, the
-liveness model's bookkeeping (a document lookup and a state; every ``refit_every``
+liveness models' bookkeeping (a document lookup, a check that none of the prompt's
+blocks ends a conversation, for a new conversation a binary search in each of its
+document's latest four prompts, and a state in each model; every ``refit_every``
 requests a fit over its states), one byte comparison per block hash and, for the sampled
 hashes (``sample_rate`` of them), a few table and list operations per shadow. The shadows,
 the sample and the per-block work run in C where the package was built with a compiler, in
@@ -64,7 +70,8 @@ Python otherwise, with the same decisions (``shadow.py``, ``liveness_order.py``,
 or released also moves in its queue. Memory: the real queue's ghost list (the longest
 reach times ``num_blocks`` hashes, each with its eviction count and the signature of its
 content when it was still unproven), two bytes and two slots per block, a few counters per
-signature, the liveness model's states and at most ``max_documents`` documents, plus, per
+signature, the liveness models' states, at most ``max_documents`` documents and as many
+conversations, and the hashes of the prompts kept (at most 200,000), plus, per
 shadow, at most ``(1 + ghost_factor) * sample_rate * num_blocks`` hashes (entries and
 ghost; ``sample_rate * num_blocks`` is about ``shadow_entries``, and at least ``num_blocks
 / 256``). A prefix-cache reset empties the shadows as well as the queue's marks and ghost;
@@ -83,9 +90,15 @@ from prefixcache.core.eviction.adaptive_bookkeeping import (
     sort_released,
 )
 from prefixcache.core.eviction.base import CandidateStanding, FreeKVCacheBlockQueue
-from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
-from prefixcache.core.eviction.document_tracker import DocumentTracker
+from prefixcache.core.eviction.conversation_tracker import ConversationTracker
+from prefixcache.core.eviction.document_liveness_model import (
+    KEPT_TAIL_HASHES,
+    DocumentHistory,
+    DocumentLivenessModel,
+)
+from prefixcache.core.eviction.document_tracker import DocumentTracker, prompt_hashes
 from prefixcache.core.eviction.learned_reuse import output_length_signature
+from prefixcache.core.eviction.liveness_classes import NO_CLASS, LivenessKeyClasses
 from prefixcache.core.eviction.liveness_order import (
     UNKNOWN_CLASS,
     LivenessOrderQueue,
@@ -167,6 +180,13 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # runs over all of them and this model runs whichever candidate is followed.
     max_documents = 20_000
     liveness_max_states = 2_500
+    # A new conversation's shared blocks are found among its document's latest
+    # conversations' prompts, not among every block seen: no insertion per new block
+    # (conversation_tracker.py).
+    recent_conversations = 4
+    # Fits of the conversations' model, every this many finished requests: half as often
+    # as the documents', since every fit runs over all the states kept.
+    conversation_refit_every = 50
     # The shadows and the sample, in C when the package was built with a compiler (the
     # same decisions either way: shadow.py).
     shadow_type = ShadowSegmentedLRU
@@ -200,10 +220,18 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.liveness = DocumentLivenessModel(max_states=self.liveness_max_states)
         self.documents = DocumentTracker(self.liveness, self.max_documents,
                                          observe_shares=False)
+        # And of conversations: a conversation's own content is keyed by its chance of
+        # going on, content shared by several by its document's (liveness_classes.py).
+        self.conversations = ConversationTracker(
+            DocumentLivenessModel(max_states=self.liveness_max_states,
+                                  refit_every=self.conversation_refit_every),
+            self.max_documents, recent_conversations=self.recent_conversations)
+        self.liveness_classes = LivenessKeyClasses(self.liveness, self.conversations.model)
         self.release_parts: list[ReleaseParts | None] = [None] * self.num_block_ids
         self.num_releases = 0
         self.liveness_queue: LivenessOrderQueue | None = None
-        self.shadows = [self.liveness_shadow_type(shadow_capacity, self.liveness) if c.liveness
+        self.shadows = [self.liveness_shadow_type(shadow_capacity, self.liveness_classes)
+                        if c.liveness
                         else self.shadow_type(shadow_capacity, c.protected_fraction,
                                               c.low_reuse_first, c.ghost_factor)
                         for c in self.candidates]
@@ -252,7 +280,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             segments = self.candidates[scores.index(max(scores))]
             if self.liveness_queue is None:
                 self.liveness_queue = LivenessOrderQueue.from_free_blocks(
-                    self.liveness, self._segment_blocks(), self.release_parts)
+                    self.liveness_classes, self._segment_blocks(), self.release_parts)
         else:
             segments = candidate
             self.liveness_queue = None
@@ -321,16 +349,26 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         the liveness order is followed, its place in that order too); then the shadows
         see the request."""
         finished = request is not None and request.status != RequestStatus.PREEMPTED
-        # The liveness model learns from every finished request; each released block
+        # The liveness models learn from every finished request; each released block
         # holding content remembers the parts it was released with.
         document = self.documents.note_finished(request) if finished else None
-        liveness = self.liveness
-        self.num_releases += 1
-        parts = (liveness.finest_class(document.state_id) if document is not None
-                 else UNKNOWN_CLASS, liveness.clock, self.num_releases)
-        self.mark_hashed(blocks, self.release_parts, parts)
+        parts, shared_parts, shared_prefix = self._release_parts(request, document)
+        own, shared = blocks, ()
+        # A finished request's blocks come deepest first, and a shared block is held at
+        # least as long as any after it: what it shares and releases comes last.
+        if shared_prefix and blocks and blocks[-1].block_hash in shared_prefix:
+            shared_hashes = set(shared_prefix)
+            split = len(blocks) - 1
+            while split and blocks[split - 1].block_hash in shared_hashes:
+                split -= 1
+            own, shared = blocks[:split], blocks[split:]
+        self.mark_hashed(own, self.release_parts, parts)
+        if shared:
+            self.mark_hashed(shared, self.release_parts, shared_parts)
         if self.liveness_queue is not None:
-            self.liveness_queue.add_released(blocks, parts)
+            self.liveness_queue.add_released(own, parts)
+            if shared:
+                self.liveness_queue.add_released(shared, shared_parts)
         unproven = self.unproven
         # The (signature, epoch) of this request's new content, shared by its blocks:
         # filled in below. ``lower`` keeps the release order (deepest first) of
@@ -360,9 +398,50 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             self._protect(protected)
         if request is not None:
             if self.liveness_index is not None:
-                self.shadows[self.liveness_index].parts = parts
+                shadow = self.shadows[self.liveness_index]
+                shadow.parts, shadow.shared_parts = parts, shared_parts
+                # The shared hashes are a prefix of the prompt's, so of the sample's.
+                threshold = self.sample_threshold
+                shadow.num_shared = (
+                    len(shared_prefix) if threshold >= 256 or not shared_prefix
+                    else len(self.sampled_hashes(shared_prefix, threshold)))
             self._observe(request.block_hashes,
                           set(sampled_new) if low_reuse and sampled_new else None)
+
+    def _release_parts(self, request: Request | None, document: DocumentHistory | None
+                       ) -> tuple[ReleaseParts, ReleaseParts, list[BlockHash]]:
+        """The parts of a release: of the request's own content, and of what its
+        conversation shares with others, whose hashes (a prefix of its prompt's) come
+        third (empty: none). Counts the request on its conversation."""
+        liveness = self.liveness
+        self.num_releases += 1
+        if document is None:
+            parts = (UNKNOWN_CLASS, liveness.clock, self.num_releases)
+            return parts, parts, []
+        hashes = prompt_hashes(request)
+        # The document's latest prompt before this one: where the prompts kept no longer
+        # hold it, what its tail shares still counts (conversation_tracker.py). Kept
+        # here, as the document tracker does not observe shares. While it is kept (its
+        # conversation is the document's latest), the prompt itself counts, and more.
+        recent = document.recent_conversations
+        previous_prompt = ((document.num_prompt_blocks, document.prompt_tail_hashes)
+                           if document.num_prompt_blocks
+                           and (not recent or recent[0].prompt is None) else None)
+        document.num_prompt_blocks = len(hashes)
+        document.prompt_tail_hashes = hashes[-KEPT_TAIL_HASHES:]
+        conversation = self.conversations.note_request(request, hashes, document,
+                                                       previous_prompt)
+        document_class = liveness.finest_class(document.state_id)
+        classes = self.liveness_classes
+        own_class = classes.key_class(
+            document_class if document.num_conversations <= 1 else NO_CLASS,
+            self.conversations.model.finest_class(conversation.history.state_id))
+        parts = (own_class, liveness.clock, self.num_releases)
+        if not conversation.own_from:
+            return parts, parts, []
+        shared_parts = (classes.key_class(document_class, NO_CLASS), liveness.clock,
+                        self.num_releases)
+        return parts, shared_parts, hashes[:conversation.own_from]
 
     def _place_first(self, blocks: list[KVCacheBlock], at_head: bool) -> None:
         in_upper = self.in_upper
@@ -415,7 +494,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             shadow.forget()
         if self.liveness_queue is not None:  # every block is empty now
             self.liveness_queue = LivenessOrderQueue.from_free_blocks(
-                self.liveness, self._segment_blocks(), self.release_parts)
+                self.liveness_classes, self._segment_blocks(), self.release_parts)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """In eviction order: the liveness order's while it is followed, else the first

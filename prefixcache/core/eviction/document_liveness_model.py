@@ -87,12 +87,14 @@ class DocumentHistory:
     """What the policy remembers of one document: its requests so far, its first
     request's lengths, the range of its prompt lengths, its latest state in the model, and
     its latest prompt (how many full blocks, and the hashes of the last
-    :data:`KEPT_TAIL_HASHES` of them), and how many conversations it has had (for a
+    :data:`KEPT_TAIL_HASHES` of them), and how many conversations it has had and which
+    were the latest (for a
     :class:`~prefixcache.core.eviction.conversation_tracker.ConversationTracker`)."""
 
     __slots__ = ("num_requests", "first_output_tokens", "first_prompt_tokens",
                  "min_prompt_tokens", "max_prompt_tokens", "state_id",
-                 "num_prompt_blocks", "prompt_tail_hashes", "num_conversations")
+                 "num_prompt_blocks", "prompt_tail_hashes", "num_conversations",
+                 "recent_conversations")
 
     def __init__(self, prompt_tokens: int, output_tokens: int) -> None:
         self.num_requests = 0
@@ -104,6 +106,9 @@ class DocumentHistory:
         self.num_prompt_blocks = 0
         self.prompt_tail_hashes: list[BlockHash] = []
         self.num_conversations = 0
+        # Its latest conversations, the latest first (a ConversationTracker's, if it
+        # keeps them).
+        self.recent_conversations: list = []
 
 
 class DocumentLivenessModel:

@@ -118,22 +118,26 @@ class LivenessOrderQueue(GroupedScoredFreeBlockQueue):
 
 class PythonShadowLivenessOrder:
     """A hash-only cache of ``capacity`` entries in the liveness order: the hashes a
-    request is given are keyed by :attr:`parts` (set by the caller before each
-    :meth:`access`), the lowest key evicted first, among equal keys the entry made first
-    (a request's deepest hash first). ``num_hits`` counts, as in the other shadows, the
-    hashes found held; the caller may scale it (decay). Re-keys every entry when the
-    model refits. No ghost list: a hash evicted is forgotten.
+    request is given are keyed by :attr:`parts`, the first :attr:`num_shared` of them by
+    :attr:`shared_parts` (all three set by the caller before each :meth:`access`; the two
+    parts of one release differ only in their class), the lowest key evicted first, among
+    equal keys the entry made first (a request's deepest hash first). ``num_hits``
+    counts, as in the other shadows, the hashes found held; the caller may scale it
+    (decay). Re-keys every entry when the model refits. No ghost list: a hash evicted is
+    forgotten.
 
     This is the reference; :class:`NativeShadowLivenessOrder` keeps the same entries in
     the same order in C."""
 
-    __slots__ = ("capacity", "model", "parts", "num_hits", "_entries", "_heap", "_order",
-                 "_num_fits_keyed")
+    __slots__ = ("capacity", "model", "parts", "shared_parts", "num_shared", "num_hits",
+                 "_entries", "_heap", "_order", "_num_fits_keyed")
 
     def __init__(self, capacity: int, model: DocumentLivenessModel) -> None:
         self.capacity = max(1, capacity)
         self.model = model
         self.parts: ReleaseParts = (UNKNOWN_CLASS, 0.0, -1)
+        self.shared_parts: ReleaseParts = self.parts
+        self.num_shared = 0
         self.num_hits = 0.0
         self._entries: dict[BlockHash, tuple[ReleaseParts, int]] = {}
         # (key, order, hash); an entry whose order is not its hash's current one is stale.
@@ -153,10 +157,14 @@ class PythonShadowLivenessOrder:
         num_hits = sum(1 for block_hash in hashes if block_hash in entries)
         if self.model.num_fits != self._num_fits_keyed:
             self._rekey()
-        parts = self.parts
-        key = liveness_key(self.model, parts)
+        own_parts, shared_parts, num_shared = self.parts, self.shared_parts, self.num_shared
+        own_key = liveness_key(self.model, own_parts)
+        shared_key = liveness_key(self.model, shared_parts) if num_shared else own_key
         heap, order = self._heap, self._order
-        for block_hash in reversed(hashes):  # the deepest first: evicted first
+        for position in range(len(hashes) - 1, -1, -1):  # the deepest first: evicted first
+            block_hash = hashes[position]
+            parts, key = ((shared_parts, shared_key) if position < num_shared
+                          else (own_parts, own_key))
             order += 1
             entries[block_hash] = (parts, order)
             heapq.heappush(heap, (key, order, block_hash))
@@ -201,11 +209,13 @@ class NativeShadowLivenessOrder:
     """:class:`PythonShadowLivenessOrder`'s contract, its entries kept in C
     (``_key_order_shadow_native.c``): the same hits, the same evictions."""
 
-    __slots__ = ("model", "parts", "_shadow", "_num_fits_keyed")
+    __slots__ = ("model", "parts", "shared_parts", "num_shared", "_shadow", "_num_fits_keyed")
 
     def __init__(self, capacity: int, model: DocumentLivenessModel) -> None:
         self.model = model
         self.parts: ReleaseParts = (UNKNOWN_CLASS, 0.0, -1)
+        self.shared_parts: ReleaseParts = self.parts
+        self.num_shared = 0
         self._shadow = KeyOrderShadow(capacity)
         self._num_fits_keyed = model.num_fits
 
@@ -230,8 +240,13 @@ class NativeShadowLivenessOrder:
         if model.num_fits != self._num_fits_keyed:
             self._num_fits_keyed = model.num_fits
             self._shadow.rekey(model.all_class_log_odds, model.overall_log_odds)
-        parts = self.parts
-        return self._shadow.access(hashes, parts[0], parts[1], liveness_key(model, parts))
+        parts, num_shared = self.parts, self.num_shared
+        if not num_shared:
+            return self._shadow.access(hashes, parts[0], parts[1], liveness_key(model, parts))
+        shared_parts = self.shared_parts
+        return self._shadow.access(hashes, parts[0], parts[1], liveness_key(model, parts),
+                                   num_shared, shared_parts[0],
+                                   liveness_key(model, shared_parts))
 
     def keys_in_order(self) -> list[BlockHash]:
         return self._shadow.keys_in_order()
