@@ -419,10 +419,12 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             parts = (UNKNOWN_CLASS, liveness.clock, self.num_releases)
             return parts, parts, []
         hashes = prompt_hashes(request)
-        # The document's latest prompt before this one: where the prompts kept no longer
-        # hold it, what its tail shares still counts (conversation_tracker.py). Kept
-        # here, as the document tracker does not observe shares. While it is kept (its
-        # conversation is the document's latest), the prompt itself counts, and more.
+        # The document's latest prompt before this one, for when the prompts the tracker
+        # keeps no longer hold it: what its tail shares still counts
+        # (conversation_tracker.py). Kept here, as the document tracker does not observe
+        # shares. While the tracker still keeps that prompt (its conversation, first among
+        # the document's recent ones, still has it), comparing with the whole prompt finds
+        # at least what the tail would, so the tail is not passed.
         recent = document.recent_conversations
         previous_prompt = ((document.num_prompt_blocks, document.prompt_tail_hashes)
                            if document.num_prompt_blocks

@@ -159,8 +159,9 @@ class ConversationTracker:
                         low = middle + 1
                     else:
                         high = middle
-            # Every block from the first unseen on is added as seen, including any that
-            # the document's latest prompt shows was shared (and so was forgotten).
+            # Without recent conversations, every block from the first unseen on is added
+            # as seen, including any that the document's latest prompt shows was shared
+            # (and so was forgotten).
             new_from = own_from = low
             if previous_prompt is not None:
                 previous_num_blocks, previous_tail = previous_prompt
