@@ -138,6 +138,7 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "decay-3": {"decay_factor": 3},
     "decay-8": {"decay_factor": 8},
     "decay-2-margin-0": {"decay_factor": 2, "switch_margin": 0.0},
+    "document-clock": {"liveness_clock": "documents"},
 }
 
 

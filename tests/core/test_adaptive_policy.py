@@ -21,6 +21,8 @@ from prefixcache.core.eviction.adaptive_bookkeeping import (
     python_note_taken,
     python_sort_released,
 )
+from prefixcache.core.eviction.document_liveness_model import DocumentLivenessModel
+from prefixcache.core.eviction.liveness_classes import LivenessKeyClasses
 from prefixcache.core.eviction.liveness_order import (
     NATIVE_LIVENESS_SHADOW,
     PythonShadowLivenessOrder,
@@ -377,6 +379,38 @@ def test_the_liveness_order_keys_a_shared_prefix_by_its_document_and_the_rest_by
     # The liveness shadow saw the request with the same split.
     shadow = queue.shadows[queue.liveness_index]
     assert shadow.shared_parts == shared and shadow.parts[0] != shared[0]
+
+
+def test_key_classes_are_read_on_the_conversations_clock_unless_told_otherwise():
+    documents, conversations = DocumentLivenessModel(), DocumentLivenessModel()
+    documents.rate = 0.05  # a system prompt: asked about far more often than a chat goes on
+    for _ in range(3):
+        documents.tick()
+        conversations.tick()
+    assert documents.clock > conversations.clock > 0
+    assert LivenessKeyClasses(documents, conversations).clock == conversations.clock
+    on_documents = LivenessKeyClasses(documents, conversations, clock="documents")
+    assert on_documents.clock == documents.clock
+    with pytest.raises(ValueError, match="clock must be one of"):
+        LivenessKeyClasses(documents, conversations, clock="requests")
+
+
+@pytest.mark.parametrize("clock", ["conversations", "documents"])
+def test_adaptive_keys_every_release_on_the_clock_it_is_set_to(clock, monkeypatch):
+    monkeypatch.setattr(AdaptiveFreeBlockQueue, "liveness_clock", clock)
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    queue.liveness.rate = 0.05  # the two models' clocks now run apart
+    system = list(range(8))
+    for i in range(4):
+        run_prompt(manager, f"c{i}", system + [100 * i + t for t in range(8)])
+        model = queue.conversations.model if clock == "conversations" else queue.liveness
+        latest = max(queue.release_parts[b.block_id][2] for b in manager.block_pool.blocks
+                     if queue.release_parts[b.block_id] is not None)
+        clocks = {parts[1] for parts in queue.release_parts
+                  if parts is not None and parts[2] == latest}
+        assert clocks == {model.clock}
+    assert queue.liveness.clock != queue.conversations.model.clock
 
 
 def test_where_the_prompts_kept_were_dropped_the_documents_latest_prompt_still_counts():

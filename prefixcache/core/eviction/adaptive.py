@@ -36,9 +36,11 @@ every finished request whichever candidate is followed: one of documents, one of
 conversations inside them (``conversation_tracker.py``). A conversation's own content is
 keyed by its chance of going on (or the higher of that and its document's, while it is
 its document's only conversation), what it shares with other conversations by its
-document's (``liveness_classes.py``); each block holding content remembers the parts of
-its last release. While it is followed, the free blocks are also
-held in a :class:`~prefixcache.core.eviction.liveness_order.LivenessOrderQueue`, built
+document's, and silence counts on the conversations' model's clock, where
+``document-liveness`` counts it on the documents' (``liveness_classes.py`` says why); each
+block holding content remembers the parts of its last release. While it is followed, the
+free blocks are also held in a
+:class:`~prefixcache.core.eviction.liveness_order.LivenessOrderQueue`, built
 from them when it takes the lead and dropped when it loses it, and taken from there; the
 segments keep, for a switch back, the order of whichever other candidate's shadow had the
 most hits when it took the lead.
@@ -187,6 +189,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
     # Fits of the conversations' model, every this many finished requests: half as often
     # as the documents', since every fit runs over all the states kept.
     conversation_refit_every = 50
+    # The model whose clock counts silence in the liveness order (liveness_classes.py).
+    liveness_clock = "conversations"
     # The shadows and the sample, in C when the package was built with a compiler (the
     # same decisions either way: shadow.py).
     shadow_type = ShadowSegmentedLRU
@@ -226,7 +230,8 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             DocumentLivenessModel(max_states=self.liveness_max_states,
                                   refit_every=self.conversation_refit_every),
             self.max_documents, recent_conversations=self.recent_conversations)
-        self.liveness_classes = LivenessKeyClasses(self.liveness, self.conversations.model)
+        self.liveness_classes = LivenessKeyClasses(self.liveness, self.conversations.model,
+                                                   self.liveness_clock)
         self.release_parts: list[ReleaseParts | None] = [None] * self.num_block_ids
         self.num_releases = 0
         self.liveness_queue: LivenessOrderQueue | None = None
@@ -416,7 +421,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         liveness = self.liveness
         self.num_releases += 1
         if document is None:
-            parts = (UNKNOWN_CLASS, liveness.clock, self.num_releases)
+            parts = (UNKNOWN_CLASS, self.liveness_classes.clock, self.num_releases)
             return parts, parts, []
         hashes = prompt_hashes(request)
         # The document's latest prompt before this one, for when the prompts the tracker
@@ -438,10 +443,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         own_class = classes.key_class(
             document_class if document.num_conversations <= 1 else NO_CLASS,
             self.conversations.model.finest_class(conversation.history.state_id))
-        parts = (own_class, liveness.clock, self.num_releases)
+        parts = (own_class, classes.clock, self.num_releases)
         if not conversation.own_from:
             return parts, parts, []
-        shared_parts = (classes.key_class(document_class, NO_CLASS), liveness.clock,
+        shared_parts = (classes.key_class(document_class, NO_CLASS), classes.clock,
                         self.num_releases)
         return parts, shared_parts, hashes[:conversation.own_from]
 

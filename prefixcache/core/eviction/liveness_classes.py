@@ -9,8 +9,18 @@ class*, numbered as met, whose log-odds are the document's, the conversation's, 
 higher of the two, from the models' latest fits.
 
 :class:`LivenessKeyClasses` reads as the one model the liveness order expects
-(``liveness_order.py``): its classes are the key classes, its clock the documents'
-model's, and it has refitted whenever either model has.
+(``liveness_order.py``): its classes are the key classes, its clock one model's (by
+default the conversations': silence then counts at the pace a live conversation's next
+turn comes), and it has refitted whenever either model has.
+
+Why the conversations' clock. A model's clock runs at the rate at which its live
+documents' next requests come. Where many conversations share a document (a system
+prompt), that document is asked about far more often than any one conversation goes on,
+so the documents' clock runs many times faster than the conversations': keyed on it, a
+conversation's content is written off after a pause that is ordinary between two turns,
+and recency outweighs what the conversations' model knows (that a conversation past its
+first turn is far likelier to go on). One clock keeps the order a single static one;
+content shared by several conversations is keyed on it too.
 """
 
 from __future__ import annotations
@@ -26,10 +36,17 @@ class LivenessKeyClasses:
     same finished requests (module docstring). :meth:`key_class` numbers a pair; the
     rest is what the liveness order reads of a model."""
 
+    #: The models whose clock a key class can be read on.
+    CLOCKS = ("conversations", "documents")
+
     def __init__(self, documents: DocumentLivenessModel,
-                 conversations: DocumentLivenessModel) -> None:
+                 conversations: DocumentLivenessModel,
+                 clock: str = "conversations") -> None:
+        if clock not in self.CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(self.CLOCKS)}, got {clock!r}")
         self.documents = documents
         self.conversations = conversations
+        self.clock_model = conversations if clock == "conversations" else documents
         self._ids: dict[tuple[int, int], int] = {}
         self._pairs: list[tuple[int, int]] = []
         self._log_odds: list[float] = []
@@ -63,7 +80,8 @@ class LivenessKeyClasses:
 
     @property
     def clock(self) -> float:
-        return self.documents.clock
+        """The clock every key is read on (module docstring)."""
+        return self.clock_model.clock
 
     @property
     def overall_log_odds(self) -> float:
