@@ -418,10 +418,10 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         """The parts of a release: of the request's own content, and of what its
         conversation shares with others, whose hashes (a prefix of its prompt's) come
         third (empty: none). Counts the request on its conversation."""
-        liveness = self.liveness
+        liveness, classes = self.liveness, self.liveness_classes
         self.num_releases += 1
         if document is None:
-            parts = (UNKNOWN_CLASS, self.liveness_classes.clock, self.num_releases)
+            parts = (UNKNOWN_CLASS, classes.clock, self.num_releases)
             return parts, parts, []
         hashes = prompt_hashes(request)
         # The document's latest prompt before this one, for when the prompts the tracker
@@ -439,7 +439,6 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         conversation = self.conversations.note_request(request, hashes, document,
                                                        previous_prompt)
         document_class = liveness.finest_class(document.state_id)
-        classes = self.liveness_classes
         own_class = classes.key_class(
             document_class if document.num_conversations <= 1 else NO_CLASS,
             self.conversations.model.finest_class(conversation.history.state_id))

@@ -34,7 +34,8 @@ NO_CLASS = -2
 class LivenessKeyClasses:
     """Key classes over ``documents`` and ``conversations``, two liveness models fed the
     same finished requests (module docstring). :meth:`key_class` numbers a pair; the
-    rest is what the liveness order reads of a model."""
+    rest is what the liveness order reads of a model. ``clock`` names the model (one of
+    :attr:`CLOCKS`) whose clock every key is read on."""
 
     #: The models whose clock a key class can be read on.
     CLOCKS = ("conversations", "documents")
