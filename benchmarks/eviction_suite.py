@@ -1,7 +1,9 @@
 """Eviction policies on the workload suite and the shared trace. Prints JSON.
 
 For each synthetic family (``prefixcache synth``, seeded) and the shared Mooncake trace:
-a sweep at block size 512 (sequential, one live request, decode slots reserved) over
+a sweep at block size 512 (sequential, one live request, decode slots reserved; or, with
+``--concurrency C``, up to ``C`` live, or with ``--timeline``, each request admitted at
+its timestamp and live while it decodes, as ``prefixcache replay`` does) over
 capacities of 2 % to 100 % of the infinite-cache working set (the trace's distinct full
 blocks), with every online policy, Belady's offline optimum and the infinite cache. Per
 trace it reports where the LRU->Belady gap is widest, the share of it ``adaptive`` closes
@@ -31,6 +33,7 @@ LRU at any capacity), and the left-out trace's figures under it are reported
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
         [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
         [--random-traces N] [--random-families chat,rag,...] [--candidates-alone]
+        [--concurrency C | --timeline]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
 ``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
@@ -102,6 +105,25 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "moonc
     / "synthetic_trace.jsonl"
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.05, 0.2, 0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayMode:
+    """How the requests of a trace are replayed: one at a time in file order (the
+    default), up to ``concurrency`` live at once, or, with ``timeline``, each admitted at
+    its timestamp and live while it decodes (``prefixcache replay``'s modes)."""
+
+    concurrency: int = 1
+    timeline: bool = False
+
+    @property
+    def description(self) -> str:
+        if self.timeline:
+            return "timeline, decode slots reserved"
+        return f"sequential, concurrency {self.concurrency}, decode slots reserved"
+
+
+SEQUENTIAL = ReplayMode()
 
 
 def one_reach_candidates(ghost_factor: int) -> tuple[Candidate, ...]:
@@ -179,17 +201,19 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
 
 
 def sweep_adaptive_with(prepared: PreparedTrace, capacities: list[int],
-                        overrides: dict, jobs: int = 1) -> list[float]:
-    """``adaptive``'s hit rates over ``capacities`` with its class attributes
-    ``overrides`` set for the replays (and restored after; forked workers inherit
-    them)."""
+                        overrides: dict, jobs: int = 1,
+                        mode: ReplayMode = SEQUENTIAL) -> list[float]:
+    """``adaptive``'s hit rates over ``capacities``, replayed in ``mode``, with its class
+    attributes ``overrides`` set for the replays (and restored after; forked workers
+    inherit them)."""
     adaptive_class = EVICTION_POLICIES["adaptive"]
     saved = {name: getattr(adaptive_class, name) for name in overrides}
     for name, value in overrides.items():
         setattr(adaptive_class, name, value)
     try:
-        return sweep(prepared, capacities, ["adaptive"], with_belady=False,
-                     jobs=jobs).policy_to_hit_rates["adaptive"]
+        return sweep(prepared, capacities, ["adaptive"], with_belady=False, jobs=jobs,
+                     concurrency=mode.concurrency,
+                     timeline=mode.timeline).policy_to_hit_rates["adaptive"]
     finally:
         for name, value in saved.items():
             setattr(adaptive_class, name, value)
@@ -202,18 +226,19 @@ def trace_name(path: Path) -> str:
 
 def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
              lofo_variants: list[str], candidates_alone: bool = False,
-             jobs: int = 1) -> dict:
+             jobs: int = 1, mode: ReplayMode = SEQUENTIAL) -> dict:
     prepared = prepare_trace(trace, TraceExpander(512))
     working_set = working_set_blocks(prepared)
     capacities = capacities_from_spec(fractions, working_set)
-    result = sweep(prepared, capacities, policies, jobs=jobs)
+    result = sweep(prepared, capacities, policies, jobs=jobs, concurrency=mode.concurrency,
+                   timeline=mode.timeline)
     variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
     for variant in lofo_variants:
         if variant not in variant_to_rates:
             variant_to_rates[variant] = sweep_adaptive_with(
-                prepared, capacities, ADAPTIVE_VARIANTS[variant], jobs)
+                prepared, capacities, ADAPTIVE_VARIANTS[variant], jobs, mode)
     candidate_to_rates = {
-        label: sweep_adaptive_with(prepared, capacities, overrides, jobs)
+        label: sweep_adaptive_with(prepared, capacities, overrides, jobs, mode)
         for label, overrides in candidate_alone_overrides().items()
     } if candidates_alone else {}
     rates = result.policy_to_hit_rates
@@ -273,7 +298,8 @@ def random_trace_specs(num_traces: int, families: list[str],
 
 def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
                    tmp: str, fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str], candidates_alone: bool, jobs: int) -> dict:
+                   lofo_variants: list[str], candidates_alone: bool, jobs: int,
+                   mode: ReplayMode = SEQUENTIAL) -> dict:
     """Generate a family's trace (Mooncake format, as ``name`` in ``tmp``) and evaluate
     it."""
     path = Path(tmp) / f"{name}.jsonl"
@@ -281,7 +307,7 @@ def measure_family(name: str, family: str, seed: int, num_requests: int, params:
         write_trace(generate_requests(family, seed, num_requests, **params), handle,
                     "mooncake", seed)
     result = evaluate(load_trace(path), fractions, policies, lofo_variants, candidates_alone,
-                      jobs)
+                      jobs, mode)
     path.unlink()
     print(f"{name}: done", file=sys.stderr)
     return result
@@ -327,7 +353,16 @@ def run(argv: list[str] | None) -> int:
     parser.add_argument("--candidates-alone", action="store_true",
                         help="also replay each of adaptive's candidate orders followed "
                              "alone, and report the best of them against adaptive")
+    overlap = parser.add_mutually_exclusive_group()
+    overlap.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
+                         help="replay with up to C requests live at once, in file order "
+                              "(default 1: one at a time)")
+    overlap.add_argument("--timeline", action="store_true",
+                         help="replay each request at its timestamp, live while it decodes "
+                              "(prefixcache replay's timeline mode, at its default decode "
+                              "speed)")
     args = parser.parse_args(argv)
+    mode = ReplayMode(args.concurrency, args.timeline)
     if args.combine:
         try:
             return combine(args.combine)
@@ -380,18 +415,20 @@ def run(argv: list[str] | None) -> int:
         if args.split_trace > len(shared.requests):  # a part of none measures nothing
             parser.error(f"--split-trace {args.split_trace}: the trace has only "
                          f"{len(shared.requests)} requests, one part per request at most")
+        if mode.timeline and not shared.has_timestamps:
+            parser.error(f"--timeline needs a 'timestamp' on every request of {args.trace}")
     traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             traces[family] = measure_family(family, family, args.seed, args.num_requests,
                                             {}, tmp, fractions, policies, lofo_variants,
-                                            args.candidates_alone, args.jobs)
+                                            args.candidates_alone, args.jobs, mode)
         for name, family, seed, params in random_trace_specs(
                 args.random_traces, random_families, args.seed):
             traces[name] = {"family": family, "seed": seed, "parameters": params,
                             **measure_family(name, family, seed, args.num_requests, params,
                                              tmp, fractions, policies, lofo_variants,
-                                             args.candidates_alone, args.jobs)}
+                                             args.candidates_alone, args.jobs, mode)}
     if shared is not None:
         name = trace_name(Path(args.trace))
         parts = [(name, shared)] if args.split_trace == 1 else [
@@ -399,13 +436,13 @@ def run(argv: list[str] | None) -> int:
             for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
         for part_name, trace in parts:
             traces[part_name] = evaluate(trace, fractions, policies, lofo_variants,
-                                         args.candidates_alone, args.jobs)
+                                         args.candidates_alone, args.jobs, mode)
             print(f"{part_name}: done", file=sys.stderr)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "block_size": 512,
-        "mode": "sequential, concurrency 1, decode slots reserved",
+        "mode": mode.description,
         "seed": args.seed,
         "capacity_fractions_of_working_set": fractions,
         "adaptive_shadow_entries": EVICTION_POLICIES["adaptive"].shadow_entries,

@@ -1,5 +1,5 @@
 """The suite benchmark: its check of ``adaptive`` against its candidate orders followed
-alone, and its handling of inputs it cannot use."""
+alone, its replay modes, and its handling of inputs it cannot use."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from benchmarks.eviction_suite import (
     ADAPTIVE_VARIANTS,
     QUICK_FRACTIONS,
     REGISTERED,
+    ReplayMode,
     best_candidate_figures,
     combine,
     evaluate,
@@ -93,6 +94,40 @@ def test_suite_reports_every_candidate_alone_and_the_best(chat_trace):
     assert AdaptiveFreeBlockQueue.candidates == CANDIDATES
     assert "candidates_alone" not in evaluate(chat_trace, QUICK_FRACTIONS,
                                               ["lru", "adaptive"], [])
+
+
+@pytest.mark.parametrize("mode", [ReplayMode(concurrency=8), ReplayMode(timeline=True)])
+def test_every_replay_of_a_mode_overlaps_requests_as_the_replayer_does(chat_trace, mode):
+    figures = evaluate(chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"], ["ghost-2"],
+                       candidates_alone=True, mode=mode)
+    prepared = prepare_trace(chat_trace, TraceExpander(512))
+    capacities = figures["capacities_blocks"]
+    direct = sweep(prepared, capacities, ["lru", "adaptive"], concurrency=mode.concurrency,
+                   timeline=mode.timeline)
+    assert figures["policy_hit_rates"] == {
+        policy: [round(rate, 5) for rate in rates]
+        for policy, rates in direct.policy_to_hit_rates.items()}
+    assert figures["belady_hit_rates"] == [round(r, 5) for r in direct.belady_hit_rates]
+    # The variants and the candidates alone are replayed in the same mode.
+    ghost_2 = sweep_adaptive_with(prepared, capacities, ADAPTIVE_VARIANTS["ghost-2"], mode=mode)
+    assert figures["adaptive_by_variant"]["ghost-2"]["hit_rates"] == [
+        round(rate, 5) for rate in ghost_2]
+    label = CANDIDATES[-1].label
+    alone = sweep_adaptive_with(prepared, capacities, {"candidates": (CANDIDATES[-1],)},
+                                mode=mode)
+    assert figures["candidates_alone"][label]["hit_rates"] == [round(r, 5) for r in alone]
+    # Overlapping requests change what hits: the mode is not ignored.
+    one_at_a_time = evaluate(chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"], [])
+    assert one_at_a_time["policy_hit_rates"] != figures["policy_hit_rates"]
+
+
+def test_the_output_names_the_replay_mode(capsys):
+    _, output, _ = run_main(capsys, [*TINY_RUN, "--concurrency", "4"])
+    assert output["mode"] == "sequential, concurrency 4, decode slots reserved"
+    _, output, _ = run_main(capsys, [*TINY_RUN, "--timeline"])
+    assert output["mode"] == "timeline, decode slots reserved"
+    _, output, _ = run_main(capsys, TINY_RUN)
+    assert output["mode"] == "sequential, concurrency 1, decode slots reserved"
 
 
 @pytest.mark.skipif(not can_fork(), reason="workers are forked (POSIX only)")
@@ -215,15 +250,20 @@ def test_combine_refuses_an_output_without_its_settings(tmp_path, chat_figures):
     (["--trace", "{five}", "--split-trace", "6"], "the trace has only 5 requests"),
     (["--num-requests", "10000001"], "--num-requests must be 1 to 10,000,000"),
     (["--num-requests", "0"], "--num-requests must be 1 to 10,000,000"),
+    (["--concurrency", "0"], "must be >= 1"),
+    (["--concurrency", "2", "--timeline"], "not allowed with argument"),
+    (["--families", "", "--trace", "{untimed}", "--timeline"], "needs a 'timestamp'"),
 ])
 def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypatch, capsys,
                                                                argv, message):
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "untimed.jsonl").write_text("[1, 2, 3]\n")
     with (tmp_path / "five.jsonl").open("w") as handle:
         write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
     write_output(tmp_path / "no_figures.json", {"a": {}})
     argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl",
                        five=tmp_path / "five.jsonl", tmp=tmp_path,
+                       untimed=tmp_path / "untimed.jsonl",
                        no_figures=tmp_path / "no_figures.json") for arg in argv]
 
     def no_replay(*args, **kwargs):
