@@ -55,9 +55,11 @@ the traffic), each told which of them the real queue judged low-reuse. A shadow 
 hit for a sampled hash it holds when the request comes back. Every shadow's hit count
 decays by half each time the shadows have seen ``decay_factor`` times their capacity in
 sampled hashes, so the choice follows the traffic as it changes. The queue follows the
-candidate with the most decayed hits, but leaves the current one only for a candidate
-ahead by more than ``switch_margin`` of its count (noise in the sample must not make it
-flap). It starts at the first candidate, the design's order with empty blocks first.
+candidate with the most decayed hits (the first listed among equal counts), but leaves the
+current one only for a candidate ahead by more than ``switch_margin`` of its count (noise
+in the sample must not make it flap); a switch applies the new order's protected cap at
+once, demoting the overflow to probation's tail. It starts at the first candidate, the
+design's order with empty blocks first.
 
 Cost: per block taken, a ghost-list entry if it held content; per block released, a
 byte-array read, a ghost-list lookup and a note of its release; per finished request, the
