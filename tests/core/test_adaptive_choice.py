@@ -126,3 +126,16 @@ def test_empty_blocks_are_evicted_before_low_reuse_content():
     first = queue.first.get_all_free_blocks()
     assert first[1:] == low_reuse
     assert first[0].block_id == partial_id and first[0].block_hash is None
+
+
+def test_while_the_liveness_order_leads_the_segments_keep_the_best_other_order():
+    queue = queue_with_stand_ins()
+    liveness = next(i for i, c in enumerate(CANDIDATES) if c.liveness)
+    runner_up = next(i for i, c in enumerate(CANDIDATES)
+                     if not c.liveness and i != 0 and c.protected_fraction > 0)
+    hits = [0] * len(CANDIDATES)
+    hits[liveness], hits[runner_up] = 100, 60
+    observe(queue, hits)
+    assert queue.leader == liveness and queue.follows_liveness
+    assert queue.segments_candidate == CANDIDATES[runner_up]
+    assert queue.current_protected_fraction == CANDIDATES[runner_up].protected_fraction

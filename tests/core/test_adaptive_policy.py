@@ -205,6 +205,31 @@ def test_evicts_the_new_content_of_long_answers_first_once_it_learns_they_are_on
     assert num_hits["adaptive"] > 100 * 16  # all but the first few documents hit
 
 
+def test_a_hit_on_new_content_credits_the_signature_that_cached_it():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    run_prompt(manager, "a", list(range(17)), 3)  # 5 full blocks new, signature 2
+    signature = (3).bit_length()
+    assert queue.reuse.num_inserted[signature] == 5
+    assert queue.reuse.num_reused.get(signature, 0) == 0
+    assert run_prompt(manager, "b", list(range(16)) + [99]) == 16  # 4 of them hit
+    assert queue.reuse.num_reused[signature] == 4
+
+
+def test_new_content_recomputed_after_its_eviction_credits_its_signature():
+    manager = make_manager(16)
+    queue = manager.block_pool.free_block_queue
+    run_prompt(manager, "a", list(range(17)), 3)  # 5 full blocks new, signature 2
+    signature = (3).bit_length()
+    for i in range(2):  # 20 new blocks through a pool of 16: a's are evicted
+        run_prompt(manager, f"flood{i}", [1000 * (i + 1) + t for t in range(40)])
+    assert queue.reuse.num_reused.get(signature, 0) == 0
+    assert run_prompt(manager, "a again", list(range(17)), 3) == 0
+    # Its 5 blocks (the same answer again) were in the ghost list, unproven: wanted
+    # again after their eviction.
+    assert queue.reuse.num_reused[signature] == 5
+
+
 def test_reset_forgets_shadows_but_keeps_the_choice():
     manager = make_manager(24)
     queue = manager.block_pool.free_block_queue
