@@ -52,6 +52,13 @@ def test_no_shortfall_when_adaptive_is_never_below_the_best_candidate():
     assert figures["max_adaptive_shortfall_at_blocks"] is None
 
 
+def test_the_shortfall_is_zero_not_negative_when_adaptive_is_ahead_everywhere():
+    figures = best_candidate_figures([10, 20], [0.1, 0.2], [0.5, 0.5], [0.4, 0.45],
+                                     {"a": [0.3, 0.35], "b": [0.2, 0.4]})
+    assert figures["max_adaptive_shortfall_points"] == 0.0
+    assert figures["max_adaptive_shortfall_at_blocks"] is None
+
+
 @pytest.fixture(scope="module")
 def chat_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("suite") / "chat.jsonl"
