@@ -1,4 +1,5 @@
-"""Free-order policies: "lru" (the design, default) and "unhashed-first" (vLLM 0.33)."""
+"""Free-order policies: "lru" (the design, default) and "unhashed-first" (vLLM 0.33), and
+what the two-segment ones ("2q" and its kin) keep across a reset and in their marks."""
 
 from __future__ import annotations
 
@@ -179,3 +180,26 @@ def test_after_a_reset_empty_blocks_are_taken_before_new_content_is_evicted(poli
         outcomes[name] = (mgr.block_pool.num_evictions,
                           mgr.get_computed_blocks(Request("p again", prompt))[1])
     assert outcomes[policy] == outcomes["unhashed-first"] == (0, 8)
+
+
+# -- 2q's marks of content referenced again ---------------------------------------------
+
+def test_2q_new_content_in_a_block_that_held_protected_content_starts_in_probation():
+    mgr = make_manager(num_blocks=8, block_size=4, eviction_policy="2q")
+    queue = mgr.block_pool.free_block_queue
+    _admit_and_free(mgr, "a", seq(0, 9))  # 2 full blocks and a partial one
+    _admit_and_free(mgr, "a again", seq(0, 9))  # its 2 full blocks hit: protected
+    assert queue.upper.num_free_blocks == 2
+    _admit_and_free(mgr, "b", seq(100, 32))  # 8 new blocks: every block, a's included
+    assert queue.upper.num_free_blocks == 0  # referenced once: all in probation
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_2q_protects_a_recomputation_through_the_ghost_unless_the_cache_was_reset(reset):
+    mgr = make_manager(num_blocks=8, block_size=4, eviction_policy="2q")
+    _admit_and_free(mgr, "a", seq(0, 9))
+    _admit_and_free(mgr, "b", seq(100, 32))  # evicts a's blocks: their hashes join the ghost
+    if reset:
+        assert mgr.reset_prefix_cache()
+    assert _admit_and_free(mgr, "a again", seq(0, 9))[0] == 0  # computed again
+    assert mgr.block_pool.free_block_queue.upper.num_free_blocks == (0 if reset else 2)

@@ -119,6 +119,18 @@ def test_the_queue_built_from_free_blocks_takes_empty_ones_then_the_lowest_keys(
     assert queue.num_free_blocks == 0
 
 
+def test_content_without_parts_goes_after_releases_of_the_same_key():
+    """Blocks released without parts are keyed as an unknown document's released now: on
+    a tie with a release's key they go after it, as the latest release would."""
+    model = Estimates([0.0])
+    model.clock = 1.0  # the unknown document's key: overall log-odds 0 + 1.0
+    blocks = blocks_with_hashes(3)
+    parts_of = [None, (0, 1.0, 1), (0, 1.0, 2)]  # keys 1.0 too, released 1st and 2nd
+    queue = LivenessOrderQueue.from_free_blocks(model, [blocks[0], blocks[2], blocks[1]],
+                                                parts_of)
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [1, 2, 0]
+
+
 def test_the_queue_rekeys_its_releases_when_the_model_refits():
     model = Estimates([0.0, 0.0])
     blocks = blocks_with_hashes(4)
