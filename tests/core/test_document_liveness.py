@@ -534,3 +534,38 @@ def test_a_document_keeps_only_its_prompts_last_hashes_yet_counts_every_block():
 def test_unusable_model_knobs_are_refused(knobs):
     with pytest.raises(ValueError, match=next(iter(knobs))):
         DocumentLivenessModel(**knobs)
+
+
+def test_content_released_without_a_request_is_keyed_as_an_unknown_documents():
+    """The overall log-odds plus the clock at release: not even odds."""
+    mgr = make_liveness_manager(num_blocks=8)
+    queue = queue_of(mgr)
+    queue.model.overall_log_odds = -3.0  # documents rarely come back, as fitted
+    queue.model.clock = 2.0
+    request = Request("no request told", seq(0, 8))
+    assert schedule_prefill(mgr, request)[1] is not None
+    blocks = mgr.req_to_blocks["no request told"]
+    mgr.block_pool.free_blocks(list(reversed(blocks)))  # released with no request
+    keys = queue.free_block_keys()
+    assert [keys[block.block_id] for block in blocks] == [-1.0, -1.0]
+
+
+def test_generated_content_is_keyed_as_the_prompts_deepest_own_block():
+    """Blocks beyond the prompt join the group of its last full block: the
+    conversation's own content at depth 0, not its document's."""
+    mgr = make_liveness_manager()
+    queue = queue_of(mgr)
+    run_request(mgr, "start", seq(0, 8) + seq(100, 8))  # a conversation on document 0
+    run_request(mgr, "other", seq(0, 8) + seq(200, 8))  # another: their blocks are their own
+    request = Request("other again", seq(0, 8) + seq(200, 8) + seq(300, 8))
+    assert schedule_prefill(mgr, request)[1] is not None
+    request.append_output_token_ids([7] * 4)  # fills a seventh block
+    assert mgr.allocate_slots(request, 4) is not None
+    request.num_computed_tokens = request.num_tokens
+    request.status = RequestStatus.FINISHED_STOPPED
+    blocks = list(mgr.req_to_blocks["other again"])
+    mgr.free(request)
+    assert len(blocks) == 7 and blocks[6].block_hash is not None
+    groups = queue._group_of
+    assert groups[blocks[6].block_id] is groups[blocks[5].block_id]
+    assert groups[blocks[0].block_id] is not groups[blocks[5].block_id]  # the document's
