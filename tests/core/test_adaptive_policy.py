@@ -33,6 +33,7 @@ from prefixcache.core.eviction.shadow import (
     python_sampled_hashes,
 )
 from prefixcache.core.eviction.signature_reuse import SignatureReuseEstimate
+from prefixcache.core.request import RequestStatus
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.replay import ReplayConfig, replay
@@ -385,6 +386,7 @@ def test_the_liveness_order_keys_a_shared_prefix_by_its_document_and_the_rest_by
     classes = queue.liveness_classes
     system = list(range(8))  # two full blocks every conversation starts with
     run_prompt(manager, "first", system + [100, 101, 102, 103])
+    follow(queue, LIVENESS)  # its order, over the free blocks, keys them by those parts too
     first_blocks = [b for b in manager.block_pool.blocks if b.block_hash is not None]
     # The only conversation of its document: one class for all, the higher of the two.
     (only,) = {queue.release_parts[b.block_id][0] for b in first_blocks}
@@ -404,6 +406,36 @@ def test_the_liveness_order_keys_a_shared_prefix_by_its_document_and_the_rest_by
     # The liveness shadow saw the request with the same split.
     shadow = queue.shadows[queue.liveness_index]
     assert shadow.shared_parts == shared and shadow.parts[0] != shared[0]
+    groups = queue.liveness_queue._group_of
+    for block in manager.block_pool.blocks:
+        if block.block_hash is not None:
+            assert groups[block.block_id].parts == queue.release_parts[block.block_id]
+
+
+def test_the_liveness_shadow_splits_the_sampled_hashes_where_the_shared_prefix_ends():
+    manager = make_manager(4096)
+    queue = manager.block_pool.free_block_queue
+    threshold = queue.sample_threshold
+    assert threshold < 256  # a large pool: a sample of the hashes
+    system = list(range(4 * 64))  # 64 full blocks every conversation starts with
+    run_prompt(manager, "first", system + [100, 101, 102, 103])
+    run_prompt(manager, "second", system + [200, 201, 202, 203])
+    shared = manager.block_hasher.hash_blocks(None, system)
+    shadow = queue.shadows[queue.liveness_index]
+    assert shadow.num_shared == sum(block_hash[-1] < threshold for block_hash in shared)
+
+
+def test_a_preempted_request_teaches_the_reuse_estimate_nothing():
+    manager = make_manager(64)
+    queue = manager.block_pool.free_block_queue
+    request = Request("preempted", list(range(17)), block_hasher=manager.block_hasher)
+    assert manager.allocate_slots(request, 17) is not None
+    request.num_computed_tokens = 17
+    request.status = RequestStatus.PREEMPTED
+    manager.free(request)
+    assert queue.reuse.total_inserted == 0 and not queue.reuse.num_inserted
+    run_prompt(manager, "finished", list(range(100, 117)))  # as a finished one does
+    assert queue.reuse.total_inserted == 4
 
 
 def test_key_classes_are_read_on_the_conversations_clock_unless_told_otherwise():
