@@ -331,3 +331,17 @@ def test_a_reset_forgets_cached_content_but_keeps_what_was_learned():
     # Asked for again after the reset: new content, not a reuse of the forgotten copy.
     run_request(mgr, "c", seq(0, 8) + [1], SHORT)
     assert queue.reuse_estimates()[SHORT.bit_length()]["reused"] == 0
+
+
+def test_the_ghost_of_unreused_content_keeps_the_latest_ghost_factor_pool_fulls():
+    mgr = make_manager(num_blocks=6, block_size=4, eviction_policy="learned-reuse")
+    queue = queue_of(mgr)
+    evicted = []
+    for i in range(40):  # 2 new full blocks each, never reused: 80 blocks through 6
+        request = run_request(mgr, f"r{i}", seq(1000 * i, 8) + [1], 1)
+        evicted += request.block_hashes[:2]
+    assert len(queue.ghost) == queue.max_ghost == 4 * 6
+    # The latest evicted (in request order; a request's two blocks go in either order).
+    cached = {b.block_hash for b in mgr.block_pool.blocks if b.block_hash is not None}
+    gone = [block_hash for block_hash in evicted if block_hash not in cached]
+    assert set(queue.ghost) <= set(gone[-26:])
