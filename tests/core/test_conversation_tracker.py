@@ -149,6 +149,28 @@ def test_with_recent_conversations_a_branch_is_found_in_the_latest_k_only():
         ConversationTracker(DocumentLivenessModel(), recent_conversations=-1)
 
 
+def test_a_conversation_going_on_keeps_the_others_among_the_latest_k():
+    tracker = ConversationTracker(DocumentLivenessModel(), recent_conversations=3)
+    document = DocumentHistory(0, 0)
+    note(tracker, document, names("s", "a1", "a2"))
+    note(tracker, document, names("s", "b1"))
+    note(tracker, document, names("s", "c1"))
+    note(tracker, document, names("s", "b1", "b2"))  # the middle one goes on
+    # The first is still among the latest three: a branch off it is found.
+    assert note(tracker, document, names("s", "a1", "x")).own_from == 2
+
+
+def test_the_documents_latest_prompt_only_raises_what_the_latest_k_show():
+    tracker = ConversationTracker(DocumentLivenessModel(), recent_conversations=2)
+    document = DocumentHistory(0, 0)
+    note(tracker, document, names("s", "a1", "a2"))
+    latest = names("s", "b1")
+    note(tracker, document, latest)
+    # Shares "s", "a1" with the first conversation, only "s" with the latest prompt.
+    branch = note(tracker, document, names("s", "a1", "x"), previous_prompt=(2, latest))
+    assert branch.own_from == 2
+
+
 def test_with_recent_conversations_the_prompts_kept_are_bounded():
     tracker = ConversationTracker(DocumentLivenessModel(), max_seen_hashes=5,
                                   recent_conversations=4)

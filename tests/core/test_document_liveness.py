@@ -318,6 +318,18 @@ def test_memory_stays_bounded():
     assert len(queue._documents) == 3
 
 
+def test_a_full_window_of_states_is_cut_back_to_half():
+    model = DocumentLivenessModel(max_states=10, refit_every=1000)
+    document = DocumentHistory(prompt_tokens=100, output_tokens=10)
+    for _ in range(11):
+        document.num_requests += 1
+        model.tick()
+        document.state_id = model.new_state(document)
+    # The eleventh state overflows the ten: the oldest six go, the latest five stay.
+    assert len(model._state_start) == 5 and model._first_state_id == 6
+    assert document.state_id == 10 and model.finest_class(10) >= 0
+
+
 def test_a_question_block_goes_before_the_document_it_asks_about():
     # The depth term on its own: with conversations, each question starts one, and its
     # block is judged by whether that conversation goes on (test_conversation_tracker.py).
