@@ -7,27 +7,16 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.core.eviction.liveness_classes import NO_CLASS, LivenessKeyClasses
+from tests.core.test_liveness_order import Estimates
 
 
-class FittedModel:
-    """What a key class reads of a liveness model: log-odds per class, refitted by hand."""
-
-    def __init__(self, log_odds: list[float]) -> None:
-        self.log_odds = log_odds
-        self.num_fits = 0
-        self.clock = 0.0
-        self.overall_log_odds = 0.0
-
-    def class_log_odds(self, finest_class: int) -> float:
-        return self.log_odds[finest_class]
-
-    def refit(self, log_odds: list[float]) -> None:
-        self.log_odds = log_odds
-        self.num_fits += 1
+def refit(model: Estimates, log_odds: list[float]) -> None:
+    model.log_odds = log_odds
+    model.num_fits += 1
 
 
 def test_a_pair_reads_the_higher_of_its_classes_or_the_one_it_has():
-    documents, conversations = FittedModel([-2.0, 1.0]), FittedModel([0.5, -1.0])
+    documents, conversations = Estimates([-2.0, 1.0]), Estimates([0.5, -1.0])
     classes = LivenessKeyClasses(documents, conversations)
     both_low_document = classes.key_class(0, 0)
     both_high_document = classes.key_class(1, 1)
@@ -44,11 +33,11 @@ def test_a_pair_reads_the_higher_of_its_classes_or_the_one_it_has():
 
 @pytest.mark.parametrize("refitted", ["documents", "conversations"])
 def test_the_log_odds_follow_either_models_refit(refitted):
-    documents, conversations = FittedModel([0.0]), FittedModel([0.0])
+    documents, conversations = Estimates([0.0]), Estimates([0.0])
     classes = LivenessKeyClasses(documents, conversations)
     pair = classes.key_class(0, 0)
     assert classes.all_class_log_odds == [0.0]
     fits_before = classes.num_fits
-    {"documents": documents, "conversations": conversations}[refitted].refit([2.5])
+    refit({"documents": documents, "conversations": conversations}[refitted], [2.5])
     assert classes.num_fits == fits_before + 1
     assert classes.class_log_odds(pair) == 2.5
