@@ -161,6 +161,10 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "decay-8": {"decay_factor": 8},
     "decay-2-margin-0": {"decay_factor": 2, "switch_margin": 0.0},
     "document-clock": {"liveness_clock": "documents"},
+    # Nearly every block protected, low-reuse content not first: the order that keeps
+    # conversations longest where their next turns come long after the cache turns over.
+    "protect-99": {"candidates": CANDIDATES + (Candidate(0.99, False),)},
+    "protect-99-alone": {"candidates": (Candidate(0.99, False),)},
 }
 
 
