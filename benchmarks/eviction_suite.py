@@ -325,15 +325,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + "\nFigures measured with it: "
+        "docs/benchmarks.md; each option in full: this script's docstring.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  python benchmarks/eviction_suite.py --policies lru,2q,adaptive "
+               "--lofo-variants '' --jobs 2\n"
+               "  python benchmarks/eviction_suite.py --families '' --trace mine.jsonl "
+               "--policies lru,2q,adaptive --lofo-variants '' --jobs 2")
+    parser.add_argument("--num-requests", type=int, default=2000,
+                        help="requests per generated trace (default 2000)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="seed of the families' traces and of the random draws "
+                             "(default 1)")
+    parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES),
+                        help="the workload families to generate and measure, comma-"
+                             f"separated (default: all of {', '.join(WORKLOAD_FAMILIES)}; "
+                             "'' for none)")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE),
                         help="a Mooncake-format trace measured beside the families, named "
                              "by its file (default: the shared trace, named 'shared'; '' "
                              "skips it)")
-    parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
+    parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),
+                        help="the online eviction policies replayed, comma-separated "
+                             "(default: every registered one; must include lru and "
+                             "adaptive)")
     parser.add_argument("--shadow-entries", type=positive_int, default=None,
                         help="replay adaptive with this many shadow entries instead")
     parser.add_argument("--quick", action="store_true", help="three capacities only")
