@@ -60,8 +60,10 @@ def format_replay(result: ReplayResult, kv_bytes_per_token: int) -> str:
 
 def format_adaptive(state: dict) -> str:
     """adaptive's choice: the candidate order it follows at the end (protected share,
-    whether low-reuse content goes first, the ghost list's reach), and each candidate's
-    part of the hits its shadow cache counted (decayed)."""
+    whether low-reuse content goes first, the ghost list's reach), each candidate's part
+    of the hits its shadow cache counted (decayed), and, over the whole replay, how often
+    the order followed changed and each candidate's part of the requests it was followed
+    for (those never followed left out)."""
     shares = ", ".join(f"{label}: {part:.1%}"
                        for label, part in state["candidate_hit_shares"].items())
     low_reuse = ", low-reuse content first" if state.get("low_reuse_first") else ""
@@ -69,7 +71,15 @@ def format_adaptive(state: dict) -> str:
                 f"ghost {state['ghost_factor']}x")
     followed = (f"the document liveness order (segments kept: {segments})"
                 if state.get("liveness_order") else segments)
-    return f"adaptive: {followed} at the end; shadow hits by candidate: {shares}"
+    text = f"adaptive: {followed} at the end; shadow hits by candidate: {shares}"
+    if "candidate_followed_shares" in state:
+        switches = state["switches"]
+        followed_for = ", ".join(f"{label}: {part:.1%}" for label, part
+                                 in state["candidate_followed_shares"].items() if part > 0)
+        text += (f"\nadaptive over the replay: {switches:,} switch"
+                 f"{'' if switches == 1 else 'es'}; followed for (share of requests): "
+                 f"{followed_for}")
+    return text
 
 
 def format_learned_reuse(state: dict) -> str:

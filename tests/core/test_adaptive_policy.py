@@ -73,7 +73,10 @@ def test_starts_in_the_design_order():
     queue = manager.block_pool.free_block_queue
     assert queue.current_protected_fraction == 0.0
     assert queue.sample_rate == 1.0  # a pool smaller than the shadows samples everything
+    assert queue.followed_shares() == [0.0] * len(CANDIDATES)
     run_prompt(manager, "a", list(range(9)))  # two full blocks, one partial
+    assert queue.followed_shares() == [1.0] + [0.0] * (len(CANDIDATES) - 1)
+    assert queue.policy_state()["switches"] == 0
     # As unhashed-first: the partial block first, then the deepest full block.
     order = [block.block_id for block in queue.get_all_free_blocks()]
     assert order[0] == 2 and order[-2:] == [1, 0]
@@ -106,6 +109,11 @@ def test_follows_the_protected_share_when_one_offs_flush_a_popular_prefix():
     assert state["protected_fraction"] == queue.current_protected_fraction
     assert set(state["candidate_hit_shares"]) == {c.label for c in CANDIDATES}
     assert sum(state["candidate_hit_shares"].values()) == pytest.approx(1, abs=1e-3)
+    # It began in the design's order and changed at least once, to the one it follows.
+    followed = state["candidate_followed_shares"]
+    assert state["switches"] >= 1
+    assert followed[CANDIDATES[0].label] > 0 and followed[queue.current_candidate.label] > 0
+    assert sum(followed.values()) == pytest.approx(1, abs=1e-3)
 
 
 def test_stays_in_lru_order_when_recency_is_what_matters():

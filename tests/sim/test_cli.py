@@ -72,6 +72,11 @@ def test_adaptive_replay_shows_the_share_it_follows(small_trace, tmp_path, capsy
     low_reuse = ", low-reuse content first" if state["low_reuse_first"] else ""
     assert (f"adaptive: protected share {state['protected_fraction']:.0%}{low_reuse}, "
             f"ghost {state['ghost_factor']}x at the end") in text
+    followed = state["candidate_followed_shares"]
+    assert sum(followed.values()) == pytest.approx(1, abs=1e-3)
+    first = next(iter(followed))  # followed from the start, so for some of the requests
+    assert f"adaptive over the replay: {state['switches']:,} switch" in text
+    assert f"{first}: {followed[first]:.1%}" in text.split("adaptive over the replay:")[1]
 
 
 def test_learned_reuse_replay_shows_what_it_learned(small_trace, tmp_path, capsys):

@@ -257,6 +257,12 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.liveness_index = next(
             (index for index, c in enumerate(self.candidates) if c.liveness), None)
         self.leader = 0
+        # How many times the leader changed, and per candidate the releases it was
+        # followed for, up to the current leader's stint (which began at
+        # ``_leader_since``): what the replayer reports of the choice over a trace.
+        self.num_switches = 0
+        self._releases_followed = [0] * len(self.candidates)
+        self._leader_since = 0
         self._follow(self.candidates[0])
         # The engine reads the standings after every step: format the labels once.
         self.candidate_labels = tuple(candidate.label for candidate in self.candidates)
@@ -485,6 +491,9 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
             best = scores.index(max(scores))
             if (best != self.leader
                     and scores[best] > scores[self.leader] * (1 + self.switch_margin)):
+                self._releases_followed[self.leader] += self.num_releases - self._leader_since
+                self._leader_since = self.num_releases
+                self.num_switches += 1
                 self.leader = best
                 self._follow(self.candidates[best])
 
@@ -515,14 +524,30 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         return self.first.get_all_free_blocks() + super().get_all_free_blocks()
 
     def policy_state(self) -> dict:
-        """The candidate followed, and each candidate's share of the shadows' decayed
-        hits (:meth:`candidate_standings`)."""
+        """The candidate followed, each candidate's share of the shadows' decayed hits
+        (:meth:`candidate_standings`), how many times the one followed changed, and each
+        candidate's share of the releases so far during which it was followed
+        (:meth:`followed_shares`)."""
         return {"liveness_order": self.follows_liveness,
                 "protected_fraction": self.current_protected_fraction,
                 "low_reuse_first": self.evicts_low_reuse_first,
                 "ghost_factor": self.segments_candidate.ghost_factor,
                 "candidate_hit_shares": {standing.label: round(standing.share, 4)
-                                         for standing in self.candidate_standings()}}
+                                         for standing in self.candidate_standings()},
+                "switches": self.num_switches,
+                "candidate_followed_shares": {
+                    label: round(share, 4)
+                    for label, share in zip(self.candidate_labels, self.followed_shares(),
+                                            strict=True)}}
+
+    def followed_shares(self) -> list[float]:
+        """Per candidate, in order, the share of the releases so far (a request's blocks
+        freed, finished or preempted) during which it was followed; all zero before the
+        first release."""
+        followed = list(self._releases_followed)
+        followed[self.leader] += self.num_releases - self._leader_since
+        return [count / self.num_releases if self.num_releases else 0.0
+                for count in followed]
 
     def candidate_standings(self) -> list[CandidateStanding]:
         """Each candidate's share of the shadows' decayed hits (shares, not counts: the
