@@ -394,8 +394,9 @@ class LLMEngine:
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_manager.usage
-        stats.eviction_candidates = tuple(
-            self.kv_cache_manager.block_pool.free_block_queue.candidate_standings())
+        free_block_queue = self.kv_cache_manager.block_pool.free_block_queue
+        stats.eviction_candidates = tuple(free_block_queue.candidate_standings())
+        stats.eviction_policy_switches = free_block_queue.num_switches
         if self.kv_tier is not None:
             stats.add_kv_tier_stats(self.kv_tier.stats)
         return copy.copy(stats)

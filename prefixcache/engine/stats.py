@@ -69,6 +69,9 @@ class EngineStats:
     num_preemptions: int = stat(
         COUNTER, "Requests preempted (blocks freed, to be recomputed).")
     num_evictions: int = stat(COUNTER, "Cached blocks evicted to make room.")
+    eviction_policy_switches: int = stat(
+        COUNTER, "Times an eviction policy that chooses among orders online (adaptive) "
+        "changed the one it follows.")
     num_steps: int = stat(
         COUNTER, "Engine steps run; each step is one batch of requests.",
         metric="engine_steps")

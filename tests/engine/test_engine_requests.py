@@ -181,7 +181,12 @@ def test_the_stats_name_the_cache_settings_and_the_adaptive_policys_candidates(
     assert [s.followed for s in standings].count(True) == 1
     followed = next(s for s in standings if s.followed)
     assert followed.label == queue.current_candidate.label
-    assert make_engine(block_size=4, num_kv_blocks=24).get_stats().eviction_candidates == ()
+    # The switches counter is the queue's count (none yet here: still the first order).
+    assert engine.get_stats().eviction_policy_switches == queue.num_switches == 0
+    queue.num_switches = 3
+    assert engine.get_stats().eviction_policy_switches == 3
+    lru_stats = make_engine(block_size=4, num_kv_blocks=24).get_stats()
+    assert lru_stats.eviction_candidates == () and lru_stats.eviction_policy_switches == 0
 
 
 @pytest.mark.parametrize("eviction_policy,expected_free_block_ids", [

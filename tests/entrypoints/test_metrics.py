@@ -18,6 +18,7 @@ ENGINE_METRICS = {
     "prefixcache:generation_tokens": "counter",
     "prefixcache:num_preemptions": "counter",
     "prefixcache:num_evictions": "counter",
+    "prefixcache:eviction_policy_switches": "counter",
     "prefixcache:engine_steps": "counter",
     "prefixcache:kv_events_published": "counter",
     "prefixcache:kv_events_dropped": "counter",

@@ -66,6 +66,8 @@ class FreeKVCacheBlockQueue:
         For a policy that follows one of several candidate orders, each candidate's
         standing now; cheap enough for the engine to read after every step (its
         ``/metrics``). Default: none (an empty list).
+    ``num_switches``
+        For such a policy, how many times the order it follows has changed. Default: 0.
 
     ``popleft``, ``append``, ``append_n`` and ``prepend_n`` are the list operations
     policies place blocks with; the pool never calls them. Invariant under every policy:
@@ -151,6 +153,9 @@ class FreeKVCacheBlockQueue:
     def policy_state(self) -> dict | None:
         """What the policy has learned, for reports; LRU learns nothing."""
         return None
+
+    #: Times the order followed changed (a policy that chooses among candidates counts).
+    num_switches = 0
 
     def candidate_standings(self) -> list[CandidateStanding]:
         """The candidate orders this policy chooses among, in a fixed order, with their
