@@ -259,7 +259,7 @@ class AdaptiveFreeBlockQueue(TwoQueueFreeBlockQueue):
         self.leader = 0
         # How many times the leader changed, and per candidate the releases it was
         # followed for, up to the current leader's stint (which began at
-        # ``_leader_since``): what the replayer reports of the choice over a trace.
+        # ``_leader_since``): how the choice went over time, for reports and metrics.
         self.num_switches = 0
         self._releases_followed = [0] * len(self.candidates)
         self._leader_since = 0

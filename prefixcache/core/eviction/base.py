@@ -84,6 +84,9 @@ class FreeKVCacheBlockQueue:
 
     policy_name: ClassVar[str]
     summary: ClassVar[str]
+    #: Times the order followed has changed: a policy that chooses among candidate orders
+    #: (:meth:`candidate_standings`) counts them; one that follows one order never does.
+    num_switches: int = 0
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self.fake_free_list_head = KVCacheBlock(-1)
@@ -153,9 +156,6 @@ class FreeKVCacheBlockQueue:
     def policy_state(self) -> dict | None:
         """What the policy has learned, for reports; LRU learns nothing."""
         return None
-
-    #: Times the order followed changed (a policy that chooses among candidates counts).
-    num_switches = 0
 
     def candidate_standings(self) -> list[CandidateStanding]:
         """The candidate orders this policy chooses among, in a fixed order, with their
