@@ -71,15 +71,12 @@ def format_adaptive(state: dict) -> str:
                 f"ghost {state['ghost_factor']}x")
     followed = (f"the document liveness order (segments kept: {segments})"
                 if state.get("liveness_order") else segments)
-    text = f"adaptive: {followed} at the end; shadow hits by candidate: {shares}"
-    if "candidate_followed_shares" in state:
-        switches = state["switches"]
-        followed_for = ", ".join(f"{label}: {part:.1%}" for label, part
-                                 in state["candidate_followed_shares"].items() if part > 0)
-        text += (f"\nadaptive over the replay: {switches:,} switch"
-                 f"{'' if switches == 1 else 'es'}; followed for (share of requests): "
-                 f"{followed_for}")
-    return text
+    switches = state["switches"]
+    followed_for = ", ".join(f"{label}: {part:.1%}" for label, part
+                             in state["candidate_followed_shares"].items() if part > 0)
+    return (f"adaptive: {followed} at the end; shadow hits by candidate: {shares}\n"
+            f"adaptive over the replay: {switches:,} switch{'' if switches == 1 else 'es'}; "
+            f"followed for (share of requests): {followed_for}")
 
 
 def format_learned_reuse(state: dict) -> str:
