@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import errno
 import json
-import os
-import stat
 import sys
-import tempfile
 
 from prefixcache.arg_types import int_in_range, non_negative_int
-from prefixcache.entrypoints.cli import discard_stdout
 
 DESCRIPTION = """\
 Write a synthetic request trace in one of the shapes serving traffic takes, to replay
@@ -77,7 +71,8 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, stream_requests
+    from prefixcache.entrypoints.trace_output import write_to_file, write_to_stdout
+    from prefixcache.sim.workloads import WORKLOAD_FAMILIES, stream_requests, write_trace
 
     if args.list_params:
         workload = WORKLOAD_FAMILIES[args.family]()
@@ -95,16 +90,19 @@ def _run(args: argparse.Namespace) -> int:
         # at once, and the trace is never held in memory whole.
         requests = stream_requests(args.family, args.seed, args.num_requests, **params)
         with _progress_bar(requests, args) as requests:
+            def write(handle):
+                write_trace(requests, handle, args.format, args.seed)
+
             if args.output == "-":
-                return _write_stdout(requests, args)
+                return write_to_stdout(write, "synth")
             try:
-                _write_file(requests, args)
+                write_to_file(args.output, write)
             except OSError as exc:
                 print(f"prefixcache synth: error: cannot write {args.output}: "
                       f"{exc.strerror}", file=sys.stderr)
                 return 1
     # Bad parameters; or, found while drawing, no room for a prompt or a request too long
-    # to replay: _write_file has then removed its temporary file, leaving -o as it was.
+    # to replay: write_to_file has then removed its temporary file, leaving -o as it was.
     except ValueError as exc:
         print(f"prefixcache synth: error: {exc}", file=sys.stderr)
         return 2
@@ -127,92 +125,6 @@ def _progress_bar(requests, args: argparse.Namespace):
     return tqdm(requests, total=args.num_requests, desc="generating", unit="req",
                 file=sys.stderr, delay=PROGRESS_DELAY_S,
                 disable=not sys.stderr.isatty() or to_terminal)
-
-
-def _write_stdout(requests, args: argparse.Namespace) -> int:
-    """Write the trace to standard output: 0, or 1 with a one-line error if it cannot be
-    written (closed, or a write fails). A reader that went away (BrokenPipeError) is left
-    to the ``prefixcache`` entry point, which exits 141 quietly."""
-    from prefixcache.sim.workloads import write_trace
-
-    if sys.stdout is None:  # started with stdout closed (``>&-``)
-        return _stdout_error("it is closed")
-    try:
-        write_trace(requests, sys.stdout, args.format, args.seed)
-        sys.stdout.flush()  # so that a failing final write is reported here
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        discard_stdout()
-        return _stdout_error(exc.strerror or str(exc))
-    return 0
-
-
-def _write_file(requests, args: argparse.Namespace) -> None:
-    """Write the trace to ``args.output``. OSError if it cannot be written.
-
-    An output that exists and is not a regular file (a device, a FIFO, ``/dev/stdout``,
-    a process substitution's ``/dev/fd/N``) is opened by its name and written directly:
-    there is nothing to replace. A regular file (or a new one) is replaced only once the
-    trace is complete: the trace is written to a temporary file in the same directory,
-    which is renamed over the output at the end and removed on any error or interrupt.
-    A file that existed keeps its permission bits; a new one gets the mode ``open()``
-    would give it. If the directory does not let the temporary file be created but the
-    existing file is writable, the trace is written into that file directly: it is then
-    not replaced atomically, and an error or interrupt leaves it partly written."""
-    from prefixcache.sim.workloads import write_trace
-
-    try:
-        status = os.stat(args.output)  # of what a symbolic link names
-    except FileNotFoundError:
-        status = None
-    if status is not None and not stat.S_ISREG(status.st_mode):
-        # By the name as given: resolving /dev/stdout when it is a pipe gives
-        # /proc/<pid>/fd/pipe:[N], which cannot be opened.
-        with open(args.output, "w", encoding="utf-8") as handle:
-            write_trace(requests, handle, args.format, args.seed)
-        return
-    # Through a symbolic link to the file it names: renaming over the link itself would
-    # replace the link with a regular file.
-    path = os.path.realpath(args.output)
-    directory, name = os.path.split(path)
-    try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial",
-                                         dir=directory)
-    except OSError as exc:
-        if not (status is not None and _refused_by_directory(exc)
-                and os.access(path, os.W_OK)):
-            raise
-        with open(path, "w", encoding="utf-8") as handle:
-            write_trace(requests, handle, args.format, args.seed)
-        return
-    try:
-        with open(fd, "w", encoding="utf-8") as handle:
-            if status is not None:
-                mode = stat.S_IMODE(status.st_mode)
-            else:  # mkstemp's file is private (0600); open() would have applied the umask
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask
-            with contextlib.suppress(OSError):  # a file system without modes
-                os.fchmod(handle.fileno(), mode)
-            write_trace(requests, handle, args.format, args.seed)
-        os.replace(temporary, path)
-    except BaseException:  # a Ctrl-C too: never leave a partial trace behind
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-def _refused_by_directory(exc: OSError) -> bool:
-    """Whether creating a file failed because the directory does not allow it."""
-    return isinstance(exc, PermissionError) or exc.errno == errno.EROFS
-
-
-def _stdout_error(reason: str) -> int:
-    print(f"prefixcache synth: error: cannot write standard output: {reason}",
-          file=sys.stderr)
-    return 1
 
 
 def register(subparsers) -> None:
