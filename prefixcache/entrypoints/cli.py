@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = [
     "prefixcache.entrypoints.events_cmd",
     "prefixcache.entrypoints.fleet",
     "prefixcache.entrypoints.generate_cmd",
+    "prefixcache.entrypoints.merge_cmd",
     "prefixcache.entrypoints.openai.serve_cmd",
     "prefixcache.entrypoints.replay_cmd",
     "prefixcache.entrypoints.synth_cmd",

@@ -292,3 +292,20 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
                    f"{trace.first_bad_line})" if trace.num_bad_lines else "")
         raise TraceFormatError(f"{path}: no requests in the trace{skipped}")
     return trace
+
+
+def format_line(request: TraceRequest) -> str:
+    """``request`` as one line of its format (no line end), which :func:`parse_line`
+    reads back as an equal request (but for ``line_no``). A timestamp that is a whole
+    number of ms is written as an integer; a request without one is written without."""
+    obj: dict = {}
+    if request.timestamp_ms is not None:
+        timestamp = request.timestamp_ms
+        obj["timestamp"] = int(timestamp) if timestamp.is_integer() else timestamp
+    if request.hash_ids is not None:
+        obj.update(input_length=request.input_length, output_length=request.output_length,
+                   hash_ids=list(request.hash_ids))
+    else:
+        obj.update(prompt_token_ids=list(request.token_ids),
+                   output_length=request.output_length)
+    return json.dumps(obj)

@@ -1,0 +1,125 @@
+"""``prefixcache merge``: several request traces merged into one, in order of arrival."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+
+from prefixcache.arg_types import positive_int
+
+DESCRIPTION = """\
+Merge request traces into one, in order of arrival: the traffic of several workloads
+arriving at one server, to replay (`prefixcache replay`) or to judge eviction policies on.
+Requests are ordered by timestamp (every request needs one); equal timestamps keep the
+order of the traces as given, then of their lines.
+
+Mooncake hash ids name content only within their own trace, so each trace's ids are moved
+past the ids of the traces before it (the first trace's stay as they are): no block is
+shared across traces. --shared-hash-ids keeps them as they are, for traces that name
+content alike (pieces of one trace, or traces hashed by one tool). Token-id requests name
+content by its tokens and are kept as they are. Either format, or both, may be merged.
+
+Example:
+  prefixcache synth chat --seed 1 --num-requests 12000 -o chat.jsonl
+  prefixcache synth rag --seed 2 --num-requests 12000 -o rag.jsonl
+  prefixcache merge chat.jsonl rag.jsonl --max-requests 12000 -o chat-rag.jsonl
+  prefixcache replay chat-rag.jsonl --block-size 512 --sweep 2%,5%,10% --policy online
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "merge", help="merge request traces into one, in order of arrival",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", metavar="TRACE",
+                        help="trace files (JSON lines, Mooncake or token-id format); "
+                             "- reads one from standard input")
+    parser.add_argument("-o", "--output", default="-", metavar="FILE",
+                        help="output file (default: standard output); it may be one of "
+                             "the traces, which are read whole first")
+    parser.add_argument("--max-requests", type=positive_int, metavar="N",
+                        help="write only the first N requests of the merged trace")
+    parser.add_argument("--align-starts", action="store_true",
+                        help="shift each trace's timestamps so that its earliest request "
+                             "arrives at 0, for traces logged at different times")
+    parser.add_argument("--shared-hash-ids", action="store_true",
+                        help="keep Mooncake hash ids as they are: equal ids in different "
+                             "traces then name the same content")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip (and count) malformed trace lines instead of failing")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run, parser=parser)
+
+
+def _total_size(paths: list[str]) -> int | None:
+    """The traces' total size for the reading progress bar; None (a bar without a total)
+    if one is standard input or anything else without a size."""
+    from prefixcache.sim.trace import STDIN_PATH
+
+    total = 0
+    for path in paths:
+        try:
+            status = None if path == STDIN_PATH else os.stat(path)
+        except OSError:  # load_trace says why
+            status = None
+        if status is None or not stat.S_ISREG(status.st_mode):
+            return None
+        total += status.st_size
+    return total
+
+
+def _error(message: str) -> int:
+    print(f"prefixcache merge: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prefixcache.entrypoints.trace_output import write_to_file, write_to_stdout
+    from prefixcache.sim.merge import merge_traces
+    from prefixcache.sim.trace import STDIN_PATH, TraceFormatError, format_line, load_trace
+
+    if args.traces.count(STDIN_PATH) > 1:
+        args.parser.error("standard input (-) can be read as one trace only")
+    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
+    traces = []
+    try:
+        with tqdm(total=_total_size(args.traces), desc="reading", unit="B",
+                  unit_scale=True, disable=not show_progress) as bar:
+            for path in args.traces:
+                traces.append(load_trace(path, skip_bad_lines=args.skip_bad_lines,
+                                         progress=bar.update))
+    except TraceFormatError as exc:
+        return _error(str(exc))
+    for trace in traces:
+        if trace.num_bad_lines:
+            print(f"skipped {trace.num_bad_lines} malformed line(s) of {trace.path}; "
+                  f"first: {trace.first_bad_line}", file=sys.stderr)
+    try:
+        requests = merge_traces(traces, shared_ids=args.shared_hash_ids,
+                                align_starts=args.align_starts,
+                                max_requests=args.max_requests)
+    except ValueError as exc:
+        return _error(str(exc))
+    del traces  # the merged requests are all that is written
+
+    def write(handle) -> None:
+        for request in requests:
+            handle.write(format_line(request) + "\n")
+
+    if args.output == "-":
+        exit_code = write_to_stdout(write, "merge")
+        if exit_code:
+            return exit_code
+    else:
+        try:
+            write_to_file(args.output, write)
+        except OSError as exc:
+            return _error(f"cannot write {args.output}: {exc.strerror or exc}")
+    traces_named = "1 trace" if len(args.traces) == 1 else f"{len(args.traces)} traces"
+    print(f"merged {len(requests):,} requests from {traces_named} into {args.output}",
+          file=sys.stderr)
+    return 0

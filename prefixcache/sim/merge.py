@@ -1,0 +1,56 @@
+"""Several request traces merged into one: the traffic of several workloads arriving at
+one server, in order of arrival (``prefixcache merge``).
+
+Requests are ordered by timestamp; requests with equal timestamps keep the order of the
+traces as given, then their order within their trace. Timestamps are kept as they are,
+or, with ``align_starts``, each trace's are shifted so that its earliest request arrives
+at 0 (traces logged at different times then overlap from their start).
+
+Mooncake hash ids name content only within the trace that uses them: id 7 of one trace
+and id 7 of another are unrelated blocks. So each trace's ids are moved past every id of
+the traces before it (the first trace's stay as they are) and no block is shared across
+traces, unless ``shared_ids`` says the traces name content alike (pieces of one trace,
+or traces written by one tool from one tokenizer's output). Token-id requests name their
+content by its tokens, which mean the same in every trace: they are kept as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from prefixcache.sim.trace import Trace, TraceRequest
+
+
+def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
+                 align_starts: bool = False,
+                 max_requests: int | None = None) -> list[TraceRequest]:
+    """The requests of ``traces`` in order of arrival (module docstring), the first
+    ``max_requests`` of them (all when None), numbered 1, 2, ... as the lines of the
+    merged trace. Raises ValueError, naming the file and line, if a request has no
+    timestamp: there is then no order of arrival to merge by."""
+    for trace in traces:
+        untimed = next((r for r in trace.requests if r.timestamp_ms is None), None)
+        if untimed is not None:
+            raise ValueError(f"{trace.path}:{untimed.line_no}: the request has no "
+                             "'timestamp': traces are merged in order of arrival, so "
+                             "every request needs one")
+    merged: list[TraceRequest] = []
+    id_offset = 0
+    for trace in traces:
+        time_shift = min(r.timestamp_ms for r in trace.requests) if align_starts else 0.0
+        moved_ids = 0 if shared_ids else id_offset
+        for request in trace.requests:
+            hash_ids = request.hash_ids
+            if hash_ids is not None and moved_ids:
+                hash_ids = tuple(block_id + moved_ids for block_id in hash_ids)
+            merged.append(dataclasses.replace(
+                request, timestamp_ms=request.timestamp_ms - time_shift, hash_ids=hash_ids))
+        id_offset += 1 + max((max(r.hash_ids, default=-1) for r in trace.requests
+                              if r.hash_ids is not None), default=-1)
+    # A stable sort: equal timestamps keep the order the loop above appended them in.
+    merged.sort(key=lambda request: request.timestamp_ms)
+    if max_requests is not None:
+        del merged[max_requests:]
+    return [dataclasses.replace(request, line_no=line_no)
+            for line_no, request in enumerate(merged, start=1)]
