@@ -120,6 +120,6 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _error(f"cannot write {args.output}: {exc.strerror or exc}")
     traces_named = "1 trace" if len(args.traces) == 1 else f"{len(args.traces)} traces"
-    print(f"merged {len(requests):,} requests from {traces_named} into {args.output}",
+    print(f"merged {len(requests)} requests from {traces_named} into {args.output}",
           file=sys.stderr)
     return 0

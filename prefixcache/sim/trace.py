@@ -1,4 +1,5 @@
-"""Request traces: the two line formats a replay reads, parsed into :class:`TraceRequest`.
+"""Request traces: the two line formats a replay reads, parsed into :class:`TraceRequest`
+(and written back by :func:`format_line`).
 
 Formats, one JSON value per line (blank lines are ignored; the format is decided per line):
 
@@ -300,7 +301,7 @@ def format_line(request: TraceRequest) -> str:
     number of ms is written as an integer; a request without one is written without."""
     obj: dict = {}
     if request.timestamp_ms is not None:
-        timestamp = request.timestamp_ms
+        timestamp = float(request.timestamp_ms)
         obj["timestamp"] = int(timestamp) if timestamp.is_integer() else timestamp
     if request.hash_ids is not None:
         obj.update(input_length=request.input_length, output_length=request.output_length,
