@@ -32,7 +32,8 @@ LRU at any capacity), and the left-out trace's figures under it are reported
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
         [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
         [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
-        [--random-traces N] [--random-families chat,rag,...] [--candidates-alone]
+        [--random-traces N] [--random-merges N] [--random-families chat,rag,...]
+        [--candidates-alone]
         [--concurrency C | --timeline]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
@@ -59,6 +60,13 @@ named ``random-01-chat`` and so on, each reported with its parameters and genera
 counts, over them and for every online policy replayed, the traces where it falls more
 than 0.2 points below LRU and those where it closes a quarter of the widest gap
 (``random_traces``).
+
+``--random-merges N`` adds ``N`` traces of mixed traffic no policy was tuned on: each
+two traces of different ``--random-families`` (their pairs in turn), each with
+parameters drawn at random as above, merged in order of arrival with their hash ids
+kept apart (``prefixcache merge``) and cut to ``--num-requests``; named
+``merge-01-chat+rag`` and so on, each reported with its parts' families, seeds and
+parameters (``merged_from``), and counted with the random traces in the summary.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import platform
 import random
@@ -89,6 +98,7 @@ from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.entrypoints.cli import run_with_exit_codes
 from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.merge import merge_traces
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.replay import policy_names
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
@@ -300,19 +310,58 @@ def random_trace_specs(num_traces: int, families: list[str],
     return specs
 
 
-def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
-                   tmp: str, fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str], candidates_alone: bool, jobs: int,
-                   mode: ReplayMode = SEQUENTIAL) -> dict:
-    """Generate a family's trace (Mooncake format, as ``name`` in ``tmp``) and evaluate
-    it."""
+def random_merge_specs(num_traces: int, families: list[str],
+                       seed: int) -> list[tuple[str, list[tuple[str, int, dict]]]]:
+    """``num_traces`` (name, parts): each part a (family, generator seed, parameters)
+    drawn as :func:`random_trace_specs` draws them, two parts of different families, the
+    pairs of ``families`` in turn; a function of the arguments only."""
+    rng = random.Random(f"random-merges:{seed}")
+    pairs = list(itertools.combinations(dict.fromkeys(families), 2))
+    specs = []
+    for index in range(num_traces):
+        pair = pairs[index % len(pairs)]
+        parts = [(family, rng.randrange(2**32),
+                  random_parameters(WORKLOAD_FAMILIES[family], rng)) for family in pair]
+        specs.append((f"merge-{index + 1:02d}-{'+'.join(pair)}", parts))
+    return specs
+
+
+def generated_trace(name: str, family: str, seed: int, num_requests: int, params: dict,
+                    tmp: str) -> Trace:
+    """A family's trace, written in the Mooncake format (as ``name`` in ``tmp``, removed
+    again) and read back as ``prefixcache replay`` reads it."""
     path = Path(tmp) / f"{name}.jsonl"
     with path.open("w") as handle:
         write_trace(generate_requests(family, seed, num_requests, **params), handle,
                     "mooncake", seed)
-    result = evaluate(load_trace(path), fractions, policies, lofo_variants, candidates_alone,
-                      jobs, mode)
+    trace = load_trace(path)
     path.unlink()
+    return trace
+
+
+def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
+                   tmp: str, fractions: tuple[float, ...], policies: list[str],
+                   lofo_variants: list[str], candidates_alone: bool, jobs: int,
+                   mode: ReplayMode = SEQUENTIAL) -> dict:
+    """Generate a family's trace and evaluate it."""
+    trace = generated_trace(name, family, seed, num_requests, params, tmp)
+    result = evaluate(trace, fractions, policies, lofo_variants, candidates_alone, jobs,
+                      mode)
+    print(f"{name}: done", file=sys.stderr)
+    return result
+
+
+def measure_merge(name: str, parts: list[tuple[str, int, dict]], num_requests: int,
+                  tmp: str, fractions: tuple[float, ...], policies: list[str],
+                  lofo_variants: list[str], candidates_alone: bool, jobs: int,
+                  mode: ReplayMode = SEQUENTIAL) -> dict:
+    """Generate each part's trace of ``num_requests``, merge them in order of arrival,
+    keep the first ``num_requests`` and evaluate that."""
+    traces = [generated_trace(f"{name}-{index}", family, seed, num_requests, params, tmp)
+              for index, (family, seed, params) in enumerate(parts)]
+    merged = Trace(name, merge_traces(traces, max_requests=num_requests))
+    result = evaluate(merged, fractions, policies, lofo_variants, candidates_alone, jobs,
+                      mode)
     print(f"{name}: done", file=sys.stderr)
     return result
 
@@ -366,8 +415,12 @@ def run(argv: list[str] | None) -> int:
                         help="also measure N traces of the --random-families in turn, "
                              "with parameters drawn at random around their defaults "
                              "(default 0)")
+    parser.add_argument("--random-merges", type=int, default=0, metavar="N",
+                        help="also measure N traces each merging two traces of different "
+                             "--random-families (their pairs in turn), each with "
+                             "parameters drawn at random (default 0)")
     parser.add_argument("--random-families", default=",".join(WORKLOAD_FAMILIES),
-                        help="families of the random traces (default: all)")
+                        help="families of the random traces and merges (default: all)")
     parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                         help="replays run at once, each in a process of its own "
                              "(default 1); the figures are the same")
@@ -391,9 +444,10 @@ def run(argv: list[str] | None) -> int:
             parser.error(f"--combine {exc}")
     if args.split_trace < 1:
         parser.error("--split-trace must be at least 1")
-    if not 1 <= args.num_requests <= MAX_NUM_REQUESTS or args.random_traces < 0:
+    if (not 1 <= args.num_requests <= MAX_NUM_REQUESTS or args.random_traces < 0
+            or args.random_merges < 0):
         parser.error(f"--num-requests must be 1 to {MAX_NUM_REQUESTS:,}, --random-traces "
-                     "at least 0")
+                     "and --random-merges at least 0")
     families = name_list(args.families)
     # Repeats kept: the random traces take these families in turn, as many times as named.
     random_families = [f for f in (part.strip() for part in args.random_families.split(","))
@@ -404,9 +458,11 @@ def run(argv: list[str] | None) -> int:
                      f"{', '.join(WORKLOAD_FAMILIES)}")
     if args.random_traces and not random_families:
         parser.error("--random-traces needs at least one of --random-families")
-    if not families and not args.random_traces and not args.trace:
+    if args.random_merges and len(set(random_families)) < 2:
+        parser.error("--random-merges needs two different --random-families")
+    if not families and not args.random_traces and not args.random_merges and not args.trace:
         parser.error("nothing to measure: --families '' and --trace '' without "
-                     "--random-traces")
+                     "--random-traces or --random-merges")
     if args.split_trace > 1 and not args.trace:
         parser.error(f"--split-trace {args.split_trace} needs a trace to split, and "
                      "--trace '' skips it")
@@ -450,6 +506,13 @@ def run(argv: list[str] | None) -> int:
                             **measure_family(name, family, seed, args.num_requests, params,
                                              tmp, fractions, policies, lofo_variants,
                                              args.candidates_alone, args.jobs, mode)}
+        for name, parts in random_merge_specs(args.random_merges, random_families,
+                                              args.seed):
+            traces[name] = {
+                "merged_from": [{"family": family, "seed": seed, "parameters": params}
+                                for family, seed, params in parts],
+                **measure_merge(name, parts, args.num_requests, tmp, fractions, policies,
+                                lofo_variants, args.candidates_alone, args.jobs, mode)}
     if shared is not None:
         name = trace_name(Path(args.trace))
         parts = [(name, shared)] if args.split_trace == 1 else [

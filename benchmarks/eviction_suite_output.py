@@ -67,7 +67,7 @@ def add_summary(output: dict) -> None:
                **({"best_candidate_alone": t["best_candidate_alone"]}
                   if "best_candidate_alone" in t else {})}
         for name, t in traces.items()}
-    random_traces = [t for t in traces.values() if "parameters" in t]
+    random_traces = [t for t in traces.values() if is_random(t)]
     if random_traces:
         output["random_traces"] = random_traces_summary(random_traces)
     variants = [REGISTERED, *[v for v in output["lofo_variants"] if v != REGISTERED]]
@@ -75,6 +75,12 @@ def add_summary(output: dict) -> None:
         output["leave_one_out"] = leave_one_out(
             {variant: {name: t["adaptive_by_variant"][variant]
                        for name, t in traces.items()} for variant in variants})
+
+
+def is_random(trace_figures: dict) -> bool:
+    """Whether a trace's figures are of a random trace or a random merge (drawn with
+    parameters no policy was tuned on), which the summary counts together."""
+    return "parameters" in trace_figures or "merged_from" in trace_figures
 
 
 def random_traces_summary(traces: list[dict]) -> dict:
@@ -192,7 +198,7 @@ def combine(paths: list[Path]) -> int:
               if key not in ("traces", "summary", "leave_one_out")}
     # The summary of the random traces compares each policy on every one of them.
     random_policies = {frozenset(t["policy_hit_rates"]) for part in parts
-                       for t in part["traces"].values() if "parameters" in t}
+                       for t in part["traces"].values() if is_random(t)}
     if len(random_policies) > 1:
         raise ValueError(f"{' '.join(map(str, paths))}: random traces replayed with "
                          "different policies")

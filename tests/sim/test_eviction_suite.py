@@ -23,6 +23,7 @@ from benchmarks.eviction_suite import (
 )
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, AdaptiveFreeBlockQueue, Candidate
+from prefixcache.entrypoints.cli import main as cli_main
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.prepared import prepare_trace
@@ -253,6 +254,10 @@ def test_combine_refuses_an_output_without_its_settings(tmp_path, chat_figures):
     (["--trace", "{tmp}"], "Is a directory"),
     (["--families", "", "--trace", ""], "nothing to measure"),
     (["--families", " ,", "--trace", "", "--random-traces", "0"], "nothing to measure"),
+    (["--families", "", "--trace", "", "--random-merges", "0"], "nothing to measure"),
+    (["--random-merges", "1", "--random-families", "chat,chat"],
+     "--random-merges needs two different --random-families"),
+    (["--random-merges", "-1"], "--random-merges at least 0"),
     (["--trace", "", "--split-trace", "3"], "--split-trace 3 needs a trace to split"),
     (["--trace", "{five}", "--split-trace", "6"], "the trace has only 5 requests"),
     (["--num-requests", "10000001"], "--num-requests must be 1 to 10,000,000"),
@@ -371,3 +376,38 @@ def test_every_variant_changes_a_setting_the_policy_has(variant):
     for name, value in overrides.items():
         assert hasattr(adaptive_class, name), name
         assert getattr(adaptive_class, name) != value, name
+
+
+def test_random_merges_take_the_pairs_of_families_in_turn():
+    specs = eviction_suite.random_merge_specs(4, ["chat", "rag", "chat", "agent"], seed=5)
+    assert [name for name, _ in specs] == ["merge-01-chat+rag", "merge-02-chat+agent",
+                                           "merge-03-rag+agent", "merge-04-chat+rag"]
+    assert specs == eviction_suite.random_merge_specs(4, ["chat", "rag", "agent"], seed=5)
+    assert specs != eviction_suite.random_merge_specs(4, ["chat", "rag", "agent"], seed=6)
+    (_, parts), (_, later_parts) = specs[0], specs[3]
+    assert parts[0][2] != later_parts[0][2]  # each merge draws parameters of its own
+
+
+def test_a_random_merge_is_the_merge_of_its_parts_as_the_commands_write_them(
+        tmp_path, capsys):
+    exit_code, output, err = run_main(capsys, [
+        "--families", "", "--trace", "", "--random-merges", "1", "--random-families",
+        "rag,tenants", "--num-requests", "120", "--quick", "--lofo-variants", "",
+        "--policies", "lru,adaptive"])
+    assert exit_code == 0 and err == "merge-01-rag+tenants: done\n"
+    figures = output["traces"]["merge-01-rag+tenants"]
+    assert output["random_traces"]["num_traces"] == 1
+    paths = []
+    for index, part in enumerate(figures["merged_from"]):
+        paths.append(str(tmp_path / f"part{index}.jsonl"))
+        assert cli_main(["synth", part["family"], "--seed", str(part["seed"]),
+                         "--num-requests", "120", "-o", paths[-1],
+                         *[arg for name, value in part["parameters"].items()
+                           for arg in ("--param", f"{name}={value}")]]) == 0
+    merged = tmp_path / "merged.jsonl"
+    assert cli_main(["merge", *paths, "--max-requests", "120", "-o", str(merged)]) == 0
+    prepared = prepare_trace(load_trace(merged), TraceExpander(512))
+    again = sweep(prepared, figures["capacities_blocks"], ["lru"])
+    assert [round(r, 5) for r in again.policy_to_hit_rates["lru"]] == (
+        figures["policy_hit_rates"]["lru"])
+    assert [round(r, 5) for r in again.belady_hit_rates] == figures["belady_hit_rates"]
