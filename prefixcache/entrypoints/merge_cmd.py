@@ -105,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     del traces  # the merged requests are all that is written
+    # No bar over a trace that is itself going to the terminal.
+    to_terminal = args.output == "-" and sys.stdout is not None and sys.stdout.isatty()
 
     def write(handle) -> None:
-        for request in requests:
-            handle.write(format_line(request) + "\n")
+        with tqdm(requests, desc="writing", unit="req", file=sys.stderr,
+                  disable=not show_progress or to_terminal) as lines:
+            for request in lines:
+                handle.write(format_line(request) + "\n")
 
     if args.output == "-":
         exit_code = write_to_stdout(write, "merge")

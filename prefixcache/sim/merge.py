@@ -35,22 +35,27 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
             raise ValueError(f"{trace.path}:{untimed.line_no}: the request has no "
                              "'timestamp': traces are merged in order of arrival, so "
                              "every request needs one")
-    merged: list[TraceRequest] = []
+    # (arrival time, request, how far its hash ids move), built first and copied into new
+    # requests only once sorted and cut, so a merge holds one copy of what it writes.
+    arrivals: list[tuple[float, TraceRequest, int]] = []
     id_offset = 0
     for trace in traces:
         time_shift = min(r.timestamp_ms for r in trace.requests) if align_starts else 0.0
         moved_ids = 0 if shared_ids else id_offset
-        for request in trace.requests:
-            hash_ids = request.hash_ids
-            if hash_ids is not None and moved_ids:
-                hash_ids = tuple(block_id + moved_ids for block_id in hash_ids)
-            merged.append(dataclasses.replace(
-                request, timestamp_ms=request.timestamp_ms - time_shift, hash_ids=hash_ids))
+        arrivals.extend((request.timestamp_ms - time_shift, request, moved_ids)
+                        for request in trace.requests)
         id_offset += 1 + max((max(r.hash_ids, default=-1) for r in trace.requests
                               if r.hash_ids is not None), default=-1)
     # A stable sort: equal timestamps keep the order the loop above appended them in.
-    merged.sort(key=lambda request: request.timestamp_ms)
+    arrivals.sort(key=lambda arrival: arrival[0])
     if max_requests is not None:
-        del merged[max_requests:]
-    return [dataclasses.replace(request, line_no=line_no)
-            for line_no, request in enumerate(merged, start=1)]
+        del arrivals[max_requests:]
+    return [dataclasses.replace(request, line_no=line_no, timestamp_ms=timestamp,
+                                hash_ids=_moved(request.hash_ids, moved_ids))
+            for line_no, (timestamp, request, moved_ids) in enumerate(arrivals, start=1)]
+
+
+def _moved(hash_ids: tuple[int, ...] | None, by: int) -> tuple[int, ...] | None:
+    if hash_ids is None or by == 0:
+        return hash_ids
+    return tuple(block_id + by for block_id in hash_ids)

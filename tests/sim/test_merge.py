@@ -4,6 +4,7 @@ command's files and errors."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -160,3 +161,18 @@ def test_merge_command_errors_are_one_line(tmp_path, capsys):
         main(["merge", "-", "-"])
     assert exit_info.value.code == 2
     assert "standard input (-) can be read as one trace only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tty,quiet,shown", [(True, False, True), (True, True, False),
+                                             (False, False, False)])
+def test_merge_shows_progress_only_on_a_terminal(tmp_path, capsys, monkeypatch, tty, quiet,
+                                                 shown):
+    chat, rag = _synth(tmp_path, "chat", 1, 30), _synth(tmp_path, "rag", 2, 30)
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    out = tmp_path / "merged.jsonl"
+    assert main(["merge", str(chat), str(rag), "-o", str(out),
+                 *(["--quiet"] if quiet else [])]) == 0
+    err = capsys.readouterr().err
+    assert ("reading" in err and "writing" in err and "60/60" in err) == shown
+    assert err.endswith(f"merged 60 requests from 2 traces into {out}\n")
