@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
 
 from prefixcache.arg_types import positive_int
@@ -53,23 +51,6 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run, parser=parser)
 
 
-def _total_size(paths: list[str]) -> int | None:
-    """The traces' total size for the reading progress bar; None (a bar without a total)
-    if one is standard input or anything else without a size."""
-    from prefixcache.sim.trace import STDIN_PATH
-
-    total = 0
-    for path in paths:
-        try:
-            status = None if path == STDIN_PATH else os.stat(path)
-        except OSError:  # load_trace says why
-            status = None
-        if status is None or not stat.S_ISREG(status.st_mode):
-            return None
-        total += status.st_size
-    return total
-
-
 def _error(message: str) -> int:
     print(f"prefixcache merge: error: {message}", file=sys.stderr)
     return 1
@@ -80,14 +61,21 @@ def run(args: argparse.Namespace) -> int:
 
     from prefixcache.entrypoints.trace_output import write_to_file, write_to_stdout
     from prefixcache.sim.merge import merge_traces
-    from prefixcache.sim.trace import STDIN_PATH, TraceFormatError, format_line, load_trace
+    from prefixcache.sim.trace import (
+        STDIN_PATH,
+        TraceFormatError,
+        format_line,
+        load_trace,
+        trace_file_size,
+    )
 
     if args.traces.count(STDIN_PATH) > 1:
         args.parser.error("standard input (-) can be read as one trace only")
     show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     traces = []
+    sizes = [trace_file_size(path) for path in args.traces]
     try:
-        with tqdm(total=_total_size(args.traces), desc="reading", unit="B",
+        with tqdm(total=None if None in sizes else sum(sizes), desc="reading", unit="B",
                   unit_scale=True, disable=not show_progress) as bar:
             for path in args.traces:
                 traces.append(load_trace(path, skip_bad_lines=args.skip_bad_lines,

@@ -205,20 +205,6 @@ def _why_not_writable(path: str) -> str | None:
     return None
 
 
-def _file_size(path: str) -> int | None:
-    """The size of the trace at ``path`` for the reading progress bar; None (a bar
-    without a total) for standard input or anything without one."""
-    from prefixcache.sim.trace import STDIN_PATH
-
-    if path == STDIN_PATH:
-        return None
-    try:
-        status = os.stat(path)
-    except OSError:  # load_trace says why
-        return None
-    return status.st_size if stat.S_ISREG(status.st_mode) else None
-
-
 def _is_stdout(flag: str, path: str) -> bool:
     return flag == "--json" and path == STDOUT_PATH
 
@@ -273,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.sim.replay import BELADY, ReplayConfig
     from prefixcache.sim.report import format_replay, format_sweep, plot_sweep
     from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
-    from prefixcache.sim.trace import TraceFormatError, load_trace
+    from prefixcache.sim.trace import TraceFormatError, load_trace, trace_file_size
 
     _check_option_combinations(args)
     _check_files_apart(args)
@@ -285,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
             return _error(f"{flag}: {reason}")
     show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     try:
-        with tqdm(total=_file_size(args.trace), desc="reading", unit="B", unit_scale=True,
+        with tqdm(total=trace_file_size(args.trace), desc="reading", unit="B", unit_scale=True,
                   disable=not show_progress) as bar:
             trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
                                max_requests=args.max_requests, progress=bar.update)

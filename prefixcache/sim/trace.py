@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -221,6 +222,19 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
         raise TraceFormatError(f"{name}: cannot open trace: {exc.strerror}") from None
     with handle:
         return _read_trace(_counted(handle, progress), name, skip_bad_lines, max_requests)
+
+
+def trace_file_size(path: str | Path) -> int | None:
+    """The size in bytes of the trace at ``path``, for a progress bar over reading it;
+    None for standard input (``-``), for anything that is not a regular file, and for a
+    path that cannot be looked at (:func:`load_trace` then says why)."""
+    if str(path) == STDIN_PATH:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
 def _counted(lines: Iterable[bytes | str],
