@@ -339,31 +339,13 @@ def generated_trace(name: str, family: str, seed: int, num_requests: int, params
     return trace
 
 
-def measure_family(name: str, family: str, seed: int, num_requests: int, params: dict,
-                   tmp: str, fractions: tuple[float, ...], policies: list[str],
-                   lofo_variants: list[str], candidates_alone: bool, jobs: int,
-                   mode: ReplayMode = SEQUENTIAL) -> dict:
-    """Generate a family's trace and evaluate it."""
-    trace = generated_trace(name, family, seed, num_requests, params, tmp)
-    result = evaluate(trace, fractions, policies, lofo_variants, candidates_alone, jobs,
-                      mode)
-    print(f"{name}: done", file=sys.stderr)
-    return result
-
-
-def measure_merge(name: str, parts: list[tuple[str, int, dict]], num_requests: int,
-                  tmp: str, fractions: tuple[float, ...], policies: list[str],
-                  lofo_variants: list[str], candidates_alone: bool, jobs: int,
-                  mode: ReplayMode = SEQUENTIAL) -> dict:
-    """Generate each part's trace of ``num_requests``, merge them in order of arrival,
-    keep the first ``num_requests`` and evaluate that."""
+def merged_trace(name: str, parts: list[tuple[str, int, dict]], num_requests: int,
+                 tmp: str) -> Trace:
+    """Each part's trace of ``num_requests`` (:func:`generated_trace`), merged in order of
+    arrival as ``prefixcache merge`` merges them, cut to the first ``num_requests``."""
     traces = [generated_trace(f"{name}-{index}", family, seed, num_requests, params, tmp)
               for index, (family, seed, params) in enumerate(parts)]
-    merged = Trace(name, merge_traces(traces, max_requests=num_requests))
-    result = evaluate(merged, fractions, policies, lofo_variants, candidates_alone, jobs,
-                      mode)
-    print(f"{name}: done", file=sys.stderr)
-    return result
+    return Trace(name, merge_traces(traces, max_requests=num_requests))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,33 +477,35 @@ def run(argv: list[str] | None) -> int:
         if mode.timeline and not shared.has_timestamps:
             parser.error(f"--timeline needs a 'timestamp' on every request of {args.trace}")
     traces: dict[str, dict] = {}
+
+    def measure(name: str, trace: Trace) -> dict:
+        figures = evaluate(trace, fractions, policies, lofo_variants, args.candidates_alone,
+                           args.jobs, mode)
+        print(f"{name}: done", file=sys.stderr)
+        return figures
+
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
-            traces[family] = measure_family(family, family, args.seed, args.num_requests,
-                                            {}, tmp, fractions, policies, lofo_variants,
-                                            args.candidates_alone, args.jobs, mode)
+            traces[family] = measure(family, generated_trace(
+                family, family, args.seed, args.num_requests, {}, tmp))
         for name, family, seed, params in random_trace_specs(
                 args.random_traces, random_families, args.seed):
             traces[name] = {"family": family, "seed": seed, "parameters": params,
-                            **measure_family(name, family, seed, args.num_requests, params,
-                                             tmp, fractions, policies, lofo_variants,
-                                             args.candidates_alone, args.jobs, mode)}
+                            **measure(name, generated_trace(
+                                name, family, seed, args.num_requests, params, tmp))}
         for name, parts in random_merge_specs(args.random_merges, random_families,
                                               args.seed):
             traces[name] = {
                 "merged_from": [{"family": family, "seed": seed, "parameters": params}
                                 for family, seed, params in parts],
-                **measure_merge(name, parts, args.num_requests, tmp, fractions, policies,
-                                lofo_variants, args.candidates_alone, args.jobs, mode)}
+                **measure(name, merged_trace(name, parts, args.num_requests, tmp))}
     if shared is not None:
         name = trace_name(Path(args.trace))
         parts = [(name, shared)] if args.split_trace == 1 else [
             (f"{name}-{part}/{args.split_trace}", dataclasses.replace(shared, requests=requests))
             for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
         for part_name, trace in parts:
-            traces[part_name] = evaluate(trace, fractions, policies, lofo_variants,
-                                         args.candidates_alone, args.jobs, mode)
-            print(f"{part_name}: done", file=sys.stderr)
+            traces[part_name] = measure(part_name, trace)
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
