@@ -37,8 +37,9 @@ LRU at any capacity), and the left-out trace's figures under it are reported
         [--concurrency C | --timeline]
     python benchmarks/eviction_suite.py --combine PART.json PART.json ...
 
-``--trace PATH`` measures another Mooncake-format trace in the shared one's place (named
-after its file: a trace of your own traffic, or one kept aside from tuning).
+``--trace PATH`` measures another Mooncake- or Bailian-format trace (docs/trace-formats.md)
+in the shared one's place (named after its file: a trace of your own traffic, or one kept
+aside from tuning).
 ``--families ''`` runs that trace alone and ``--trace ''`` skips it, so the traces can
 be measured by separate processes; ``--split-trace N`` measures that trace as ``N``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
@@ -375,9 +376,9 @@ def run(argv: list[str] | None) -> int:
                              f"separated (default: all of {', '.join(WORKLOAD_FAMILIES)}; "
                              "'' for none)")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE),
-                        help="a Mooncake-format trace measured beside the families, named "
-                             "by its file (default: the shared trace, named 'shared'; '' "
-                             "skips it)")
+                        help="a Mooncake- or Bailian-format trace measured beside the "
+                             "families, named by its file (default: the shared trace, named "
+                             "'shared'; '' skips it)")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),
                         help="the online eviction policies replayed, comma-separated "
                              "(default: every registered one; must include lru and "

@@ -17,7 +17,8 @@ Mooncake hash ids name content only within their own trace, so each trace's ids 
 past the ids of the traces before it (the first trace's stay as they are): no block is
 shared across traces. --shared-hash-ids keeps them as they are, for traces that name
 content alike (pieces of one trace, or traces hashed by one tool). Token-id requests name
-content by its tokens and are kept as they are. Either format, or both, may be merged.
+content by its tokens and are kept as they are. Either format, or both, may be merged;
+a Bailian trace (16-token hash ids) may not: its lines have no Mooncake spelling.
 
 Example:
   prefixcache synth chat --seed 1 --num-requests 12000 -o chat.jsonl

@@ -26,6 +26,10 @@ Trace formats (JSON lines, chosen per line):
              each hash id is a 512-token block, expanded into deterministic pseudo-random
              tokens; a smaller --block-size (a divisor of 512) subdivides it. The trailing
              input_length % block-size tokens are unique to the request.
+  Bailian    {"chat_id": c, "timestamp": s, "input_length": n, "output_length": m,
+             "hash_ids": [...], ...}   Alibaba's public Qwen traces: as Mooncake, but
+             each hash id is a 16-token block and the timestamp is in seconds;
+             --block-size must divide 16 or be a multiple of it.
   token ids  [1, 2, 3, ...]  or  {"prompt_token_ids": [...], "timestamp": ms,
              "output_length": m}   (timestamp and output_length optional)
 A request's prompt and its output are each at most 16,777,216 tokens (docs/trace-formats.md).
@@ -116,8 +120,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", help="trace file (JSON lines, Mooncake or token-id format); "
-                                      "- reads it from standard input")
+    parser.add_argument("trace", help="trace file (JSON lines: Mooncake, Bailian or token-id "
+                                      "format); - reads it from standard input")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-blocks", type=positive_int, metavar="N",
                       help="replay once with a cache of N blocks")
@@ -128,7 +132,8 @@ def register(subparsers) -> None:
                            "full blocks) written like 5%%")
     parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                         metavar="B", help="tokens per block (default %(default)s; must divide "
-                                          "512 for Mooncake traces)")
+                                          "512 for Mooncake traces, divide 16 or be a "
+                                          "multiple of it for Bailian ones)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help=f"eviction policies: {', '.join(EVICTION_POLICIES)} (lru "
                              "is the default), or 'online' for all of these; offline: belady, "

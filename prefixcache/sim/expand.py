@@ -1,13 +1,16 @@
 """From trace requests to what the KV cache manager sees: prompt token ids and block hashes.
 
-Mooncake requests name 512-token blocks by hash id. :class:`TraceExpander` turns each id
-into a deterministic pseudo-random block of 512 token ids (the same id always gives the
-same tokens, so the replay sees exactly the trace's prefix sharing) and builds a prompt as
-follows, for a block size ``B`` dividing 512:
+Mooncake requests name 512-token blocks by hash id, Bailian requests 16-token blocks (the
+request's ``hash_block_size``, ``H``). :class:`TraceExpander` turns each id into a
+deterministic pseudo-random block of ``H`` token ids (the same id always gives the same
+tokens, so the replay sees exactly the trace's prefix sharing; ids of the two formats are
+different blocks) and builds a prompt as follows, for a block size ``B`` dividing ``H`` or
+a multiple of it:
 
 * the prompt's first ``input_length // B * B`` tokens are the id blocks' tokens, in order
-  (so ``B = 16`` splits every trace block into 32 sub-blocks, and the full sub-blocks at
-  the start of a trailing partial trace block are shared by every request naming that id);
+  (so ``B = 16`` splits every Mooncake block into 32 sub-blocks, and the full sub-blocks
+  at the start of a trailing partial trace block are shared by every request naming that
+  id; ``B = 512`` joins 32 Bailian blocks into one);
 * the trailing ``input_length % B`` tokens are unique to the request (seeded by its line
   number), since no one else can share a partial block.
 
@@ -24,6 +27,11 @@ from array import array
 
 from prefixcache.core import BlockHash, BlockHasher, resolve_hash_seed
 from prefixcache.sim.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
+
+# Each size's token blocks are seeded apart: a Mooncake id and a Bailian id that happen
+# to be equal name unrelated content. (Mooncake's key is the one it always had, so its
+# tokens, and every replay's figures, stay as they were.)
+_TOKEN_KEY_KINDS = {MOONCAKE_BLOCK_SIZE: "block"}
 
 
 def _pseudo_random_tokens(key: str, num_tokens: int) -> bytes:
@@ -55,39 +63,54 @@ class TraceExpander:
         self.hash_seed = resolve_hash_seed(hash_algo, hash_seed)
         self.block_hasher = BlockHasher(block_size, hash_algo, self.hash_seed)
         self.token_seed = token_seed
-        self._id_to_token_bytes: dict[int, bytes] = {}
-        self._parent_and_id_to_hashes: dict[tuple[BlockHash | None, int], list[BlockHash]] = {}
+        self._id_to_token_bytes: dict[tuple[int, int], bytes] = {}
+        # (parent hash, the hash id of one run, or its ids if several) -> its hashes.
+        self._parent_and_ids_to_hashes: dict[
+            tuple[BlockHash | None, int | tuple[int, ...]], list[BlockHash]] = {}
 
     def check_supports(self, request: TraceRequest) -> None:
         """Raise ValueError when this block size cannot expand ``request``."""
-        if request.hash_ids is not None and MOONCAKE_BLOCK_SIZE % self.block_size:
+        if request.hash_ids is None:
+            return
+        size, block_size = request.hash_block_size, self.block_size
+        if size % block_size and block_size % size:
+            if size == MOONCAKE_BLOCK_SIZE:
+                raise ValueError(
+                    f"block size {block_size} does not divide the Mooncake block size "
+                    f"{size}; choose a divisor such as 16, 32, 64, 128, 256 or 512"
+                )
             raise ValueError(
-                f"block size {self.block_size} does not divide the Mooncake block size "
-                f"{MOONCAKE_BLOCK_SIZE}; choose a divisor such as 16, 32, 64, 128, 256 or 512"
+                f"block size {block_size} neither divides nor is a multiple of the trace's "
+                f"{size}-token blocks (line {request.line_no}); choose such as "
+                f"{size // 2 or 1}, {size}, {2 * size} or 512"
             )
 
     # -- tokens -------------------------------------------------------------------------
 
-    def token_block_bytes(self, hash_id: int) -> bytes:
-        """The 512 token ids of trace block ``hash_id`` as uint16 bytes (cached)."""
-        data = self._id_to_token_bytes.get(hash_id)
+    def token_block_bytes(self, hash_id: int,
+                          size: int = MOONCAKE_BLOCK_SIZE) -> bytes:
+        """The ``size`` token ids of a trace's ``size``-token block ``hash_id`` as uint16
+        bytes (cached)."""
+        key = (size, hash_id)
+        data = self._id_to_token_bytes.get(key)
         if data is None:
-            data = _pseudo_random_tokens(f"{self.token_seed}:block:{hash_id}",
-                                         MOONCAKE_BLOCK_SIZE)
-            self._id_to_token_bytes[hash_id] = data
+            kind = _TOKEN_KEY_KINDS.get(size, f"block{size}")
+            data = _pseudo_random_tokens(f"{self.token_seed}:{kind}:{hash_id}", size)
+            self._id_to_token_bytes[key] = data
         return data
 
-    def token_block(self, hash_id: int) -> list[int]:
-        """The 512 token ids of trace block ``hash_id``."""
-        return _uint16_to_list(self.token_block_bytes(hash_id))
+    def token_block(self, hash_id: int, size: int = MOONCAKE_BLOCK_SIZE) -> list[int]:
+        """The ``size`` token ids of a trace's ``size``-token block ``hash_id``."""
+        return _uint16_to_list(self.token_block_bytes(hash_id, size))
 
     def prompt_token_ids(self, request: TraceRequest) -> list[int]:
         """The request's ``input_length`` prompt token ids (see the module docstring)."""
         if request.token_ids is not None:
             return list(request.token_ids)
         num_shared_tokens = request.input_length // self.block_size * self.block_size
-        block_bytes = self.token_block_bytes
-        shared = b"".join([block_bytes(h) for h in request.hash_ids])[:2 * num_shared_tokens]
+        block_bytes, size = self.token_block_bytes, request.hash_block_size
+        shared = b"".join([block_bytes(h, size)
+                           for h in request.hash_ids])[:2 * num_shared_tokens]
         num_unique_tokens = request.input_length - num_shared_tokens
         if num_unique_tokens:
             shared += _pseudo_random_tokens(f"{self.token_seed}:line:{request.line_no}",
@@ -106,30 +129,40 @@ class TraceExpander:
         return hashes
 
     def block_hash_runs(self, request: TraceRequest) -> tuple[list[list[BlockHash]], int]:
-        """A Mooncake request's chain as runs, one per hash id it reaches, and its number of
-        full blocks: the chain is the runs' concatenation cut to that length.
+        """A hash-id request's chain as runs, and its number of full blocks: the chain is
+        the runs' concatenation cut to that length. A run covers one hash id where the
+        block size divides the trace's blocks (its sub-block hashes), else the ids of one
+        block (its one hash).
 
-        A run is the memoised list of its hash id's sub-block hashes after its parent, the
-        same object for every request with the same prefix up to it. (Runs of different
-        ids after the same parent may still begin with equal hashes: at block sizes of 1
-        or 2, two ids' pseudo-random blocks can start with the same tokens.)
+        A run is the memoised list of its ids' hashes after its parent, the same object
+        for every request with the same prefix up to it. (Runs of different ids after the
+        same parent may still begin with equal hashes: at block sizes of 1 or 2, two ids'
+        pseudo-random blocks can start with the same tokens.)
         Raises ValueError for a token-id request, or one this block size cannot split.
         """
         if request.hash_ids is None:
-            raise ValueError("only a Mooncake request has hash-id runs")
+            raise ValueError("only a hash-id request has hash-id runs")
         self.check_supports(request)
+        size = request.hash_block_size
+        ids_per_run = max(1, self.block_size // size)
         num_full_blocks = request.input_length // self.block_size
         runs: list[list[BlockHash]] = []
-        memo = self._parent_and_id_to_hashes
+        memo = self._parent_and_ids_to_hashes
         parent = None
         num_hashes = 0
-        for hash_id in request.hash_ids:
+        hash_ids = request.hash_ids
+        for start in range(0, len(hash_ids), ids_per_run):
             if num_hashes >= num_full_blocks:
                 break
-            run = memo.get((parent, hash_id))
+            # One id is its own key (no tuple to build per id of a long trace).
+            run_ids = (hash_ids[start] if ids_per_run == 1
+                       else hash_ids[start:start + ids_per_run])
+            run = memo.get((parent, run_ids))
             if run is None:
-                run = self.block_hasher.hash_blocks(parent, self.token_block(hash_id))
-                memo[(parent, hash_id)] = run
+                tokens = (self.token_block_bytes(run_ids, size) if ids_per_run == 1
+                          else b"".join([self.token_block_bytes(h, size) for h in run_ids]))
+                run = self.block_hasher.hash_blocks(parent, _uint16_to_list(tokens))
+                memo[(parent, run_ids)] = run
             runs.append(run)
             num_hashes += len(run)
             parent = run[-1]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixcache.sim.trace import Trace, TraceRequest
+from prefixcache.sim.trace import MOONCAKE_BLOCK_SIZE, Trace, TraceRequest
 
 
 def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
@@ -28,13 +28,20 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
     """The requests of ``traces`` in order of arrival (module docstring), the first
     ``max_requests`` of them (all when None), numbered 1, 2, ... as the lines of the
     merged trace. Raises ValueError, naming the file and line, if a request has no
-    timestamp: there is then no order of arrival to merge by."""
+    timestamp (there is then no order of arrival to merge by) or is a Bailian line (the
+    merged trace is written in the Mooncake and token-id formats, and a Bailian line's
+    16-token hash ids have no Mooncake spelling)."""
     for trace in traces:
         untimed = next((r for r in trace.requests if r.timestamp_ms is None), None)
         if untimed is not None:
             raise ValueError(f"{trace.path}:{untimed.line_no}: the request has no "
                              "'timestamp': traces are merged in order of arrival, so "
                              "every request needs one")
+        bailian = next((r for r in trace.requests if r.hash_ids is not None
+                        and r.hash_block_size != MOONCAKE_BLOCK_SIZE), None)
+        if bailian is not None:
+            raise ValueError(f"{trace.path}:{bailian.line_no}: a Bailian line (16-token "
+                             "hash ids): merge writes Mooncake and token-id traces only")
     # (arrival time, request, how far its hash ids move), built first and copied into new
     # requests only once sorted and cut, so a merge holds one copy of what it writes.
     arrivals: list[tuple[float, TraceRequest, int]] = []

@@ -9,6 +9,13 @@ Mooncake
     mean equal content. There must be ``ceil(input_length / 512)`` ids: the last one covers
     the trailing partial block, if any. ``output_length`` defaults to 0; ``timestamp`` may
     be left out (None: the request has no arrival time, which timeline replays need).
+Bailian (Alibaba's public Qwen serving traces)
+    ``{"chat_id": c, "parent_chat_id": p, "timestamp": s, "input_length": n,
+    "output_length": m, "type": t, "turn": k, "hash_ids": [...]}`` — the Mooncake fields,
+    told apart by ``chat_id``, with two differences: each hash id names a 16-token block
+    (:data:`BAILIAN_BLOCK_SIZE`), so there are ``ceil(input_length / 16)`` of them, and
+    ``timestamp`` is in seconds. The other fields describe sessions, which a replay finds
+    from the shared blocks themselves, and are not read.
 Token ids
     A JSON list of token ids, or ``{"prompt_token_ids": [...]}`` with optional
     ``timestamp`` (ms) and ``output_length`` — a user's own tokenized log.
@@ -41,6 +48,7 @@ from pathlib import Path
 from prefixcache.core import cdiv
 
 MOONCAKE_BLOCK_SIZE = 512
+BAILIAN_BLOCK_SIZE = 16
 STDIN_PATH = "-"
 STDIN_NAME = "<stdin>"
 # The longest prompt, and the longest output, of one request: far beyond any model's
@@ -64,9 +72,10 @@ class TraceFormatError(ValueError):
 class TraceRequest:
     """One request of a trace.
 
-    Exactly one of ``hash_ids`` (Mooncake: ids of 512-token blocks) and ``token_ids``
-    (token-id format) is set; a parsed line's ``token_ids`` is an ``array`` of unsigned
-    integers. ``timestamp_ms`` is None when the line had no timestamp.
+    Exactly one of ``hash_ids`` (ids of ``hash_block_size``-token blocks: 512 in the
+    Mooncake format, 16 in the Bailian one) and ``token_ids`` (token-id format) is set; a
+    parsed line's ``token_ids`` is an ``array`` of unsigned integers. ``timestamp_ms`` is
+    None when the line had no timestamp.
     """
 
     line_no: int
@@ -75,6 +84,7 @@ class TraceRequest:
     timestamp_ms: float | None
     hash_ids: tuple[int, ...] | None = None
     token_ids: Sequence[int] | None = None
+    hash_block_size: int = MOONCAKE_BLOCK_SIZE
 
 
 @dataclass(slots=True)
@@ -123,18 +133,19 @@ def _brief(value) -> str:
     return repr(value)
 
 
-def _timestamp(obj: dict) -> float | None:
+def _timestamp(obj: dict, unit: str = "ms", ms_per_unit: int = 1) -> float | None:
+    """The line's timestamp in ms, read in ``unit`` (``ms_per_unit`` ms each)."""
     value = obj.get("timestamp")
     if value is None:
         return None
     if type(value) in (int, float):
         try:
-            timestamp = float(value)
+            timestamp = float(value) * ms_per_unit
         except OverflowError:  # an integer beyond the largest float is not finite either
             timestamp = math.inf
         if 0 <= timestamp < math.inf:
             return timestamp
-    raise ValueError(f"'timestamp' must be a finite non-negative number of ms, "
+    raise ValueError(f"'timestamp' must be a finite non-negative number of {unit}, "
                      f"got {_brief(value)}")
 
 
@@ -153,21 +164,27 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
                         token_ids=array(typecode, values))
 
 
-def _parse_mooncake(obj: dict, line_no: int) -> TraceRequest:
+def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
+    """A Mooncake line, or with ``bailian`` a Bailian one (16-token ids, seconds)."""
+    block_size = BAILIAN_BLOCK_SIZE if bailian else MOONCAKE_BLOCK_SIZE
     input_length = _num_tokens(obj, "input_length")
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
         raise ValueError("'hash_ids' must be a list of non-negative integers")
-    expected = cdiv(input_length, MOONCAKE_BLOCK_SIZE)
+    expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
+        # A Bailian line without its chat_id would land here: say what it looks like.
+        looks_bailian = not bailian and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE)
+        hint = "; a Bailian line (16-token blocks) has a 'chat_id'" if looks_bailian else ""
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
-            f"(one per {MOONCAKE_BLOCK_SIZE}-token block, the last one possibly partial)"
+            f"(one per {block_size}-token block, the last one possibly partial){hint}"
         )
+    timestamp = _timestamp(obj, "s", 1000) if bailian else _timestamp(obj)
     return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
-                        _timestamp(obj), hash_ids=tuple(hash_ids))
+                        timestamp, hash_ids=tuple(hash_ids), hash_block_size=block_size)
 
 
 def parse_line(text: str, line_no: int) -> TraceRequest:
@@ -185,7 +202,7 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object or a list of token ids")
     if "hash_ids" in obj:
-        return _parse_mooncake(obj, line_no)
+        return _parse_hash_ids(obj, line_no, bailian="chat_id" in obj)
     if "prompt_token_ids" in obj:
         return _parse_token_ids(obj["prompt_token_ids"], line_no, obj)
     raise ValueError("expected 'hash_ids' (Mooncake format) or 'prompt_token_ids'")
@@ -312,7 +329,11 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
 def format_line(request: TraceRequest) -> str:
     """``request`` as one line of its format (no line end), which :func:`parse_line`
     reads back as an equal request (but for ``line_no``). A timestamp that is a whole
-    number of ms is written as an integer; a request without one is written without."""
+    number of ms is written as an integer; a request without one is written without.
+    Raises ValueError for a Bailian request: its line's session fields are not kept."""
+    if request.hash_ids is not None and request.hash_block_size != MOONCAKE_BLOCK_SIZE:
+        raise ValueError(f"line {request.line_no}: only Mooncake and token-id requests are "
+                         f"written, not {request.hash_block_size}-token hash ids")
     obj: dict = {}
     if request.timestamp_ms is not None:
         timestamp = float(request.timestamp_ms)

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
-from prefixcache.sim.trace import Trace, TraceRequest, load_trace
+from prefixcache.sim.trace import (
+    BAILIAN_BLOCK_SIZE,
+    MOONCAKE_BLOCK_SIZE,
+    Trace,
+    TraceRequest,
+    load_trace,
+)
 from tests.data_paths import MOONCAKE_TRACE_PATH
 
 
@@ -58,6 +64,26 @@ def random_mooncake_trace(seed: int, num_requests: int = 60, num_roots: int = 6)
                                      float(line_no * rng.randint(50, 400)),
                                      hash_ids=tuple(ids)))
     return Trace("random", requests)
+
+
+def mooncake_as_bailian(request: TraceRequest) -> TraceRequest:
+    """A Mooncake request spelt in the Bailian format's 16-token ids: id ``h``'s ``j``-th
+    16 tokens become id ``32 h + j``, so the two name the same sharing at every block
+    size from 16 up (the tokens, and so the hashes, differ)."""
+    per_id = MOONCAKE_BLOCK_SIZE // BAILIAN_BLOCK_SIZE
+    num_ids = -(-request.input_length // BAILIAN_BLOCK_SIZE)
+    ids = tuple(h * per_id + j for h in request.hash_ids for j in range(per_id))[:num_ids]
+    return TraceRequest(request.line_no, request.input_length, request.output_length,
+                        request.timestamp_ms, hash_ids=ids,
+                        hash_block_size=BAILIAN_BLOCK_SIZE)
+
+
+def bailian_line(request: TraceRequest, chat_id: int) -> dict:
+    """A Bailian-format request as the line a trace file holds (one session per request:
+    the replay does not read the session fields)."""
+    return {"chat_id": chat_id, "parent_chat_id": -1, "timestamp": request.timestamp_ms / 1000,
+            "input_length": request.input_length, "output_length": request.output_length,
+            "type": "text", "turn": 1, "hash_ids": list(request.hash_ids)}
 
 
 def simple_lru_hit_rate(prepared: PreparedTrace, num_blocks: int) -> float:

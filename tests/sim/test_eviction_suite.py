@@ -28,9 +28,10 @@ from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.prepared import prepare_trace
 from prefixcache.sim.sweep import sweep
-from prefixcache.sim.trace import load_trace
+from prefixcache.sim.trace import format_line, load_trace
 from prefixcache.sim.workloads import generate_requests, write_trace
 from tests.processes import REPO_ROOT
+from tests.sim.helpers import bailian_line, mooncake_as_bailian, write_lines
 
 
 def test_best_candidate_at_the_widest_gap_and_adaptive_shortfall():
@@ -411,3 +412,26 @@ def test_a_random_merge_is_the_merge_of_its_parts_as_the_commands_write_them(
     assert [round(r, 5) for r in again.policy_to_hit_rates["lru"]] == (
         figures["policy_hit_rates"]["lru"])
     assert [round(r, 5) for r in again.belady_hit_rates] == figures["belady_hit_rates"]
+
+
+def test_a_bailian_trace_is_measured_as_its_mooncake_spelling(tmp_path, capsys, chat_trace):
+    """The same sharing in 16-token ids: at the suite's 512-token blocks every figure
+    that does not sample hashes (LRU, 2q, Belady, the infinite cache) is the same."""
+    requests = chat_trace.requests
+    bailian_path = write_lines(tmp_path / "bailian.jsonl", [
+        bailian_line(mooncake_as_bailian(r), n) for n, r in enumerate(requests)])
+    mooncake_path = tmp_path / "mooncake.jsonl"
+    mooncake_path.write_text("".join(format_line(r) + "\n" for r in requests))
+    figures = {}
+    for name, trace in (("bailian", bailian_path), ("mooncake", mooncake_path)):
+        _, output, _ = run_main(capsys, ["--families", "", "--trace", str(trace), "--quick",
+                                         "--policies", "lru,2q,adaptive",
+                                         "--lofo-variants", ""])
+        (figures[name],) = output["traces"].values()
+    bailian, mooncake = figures["bailian"], figures["mooncake"]
+    for key in ("num_requests", "working_set_blocks", "capacities_blocks",
+                "infinite_hit_rate", "belady_hit_rates"):
+        assert bailian[key] == mooncake[key]
+    for policy in ("lru", "2q"):
+        assert bailian["policy_hit_rates"][policy] == mooncake["policy_hit_rates"][policy]
+    assert mooncake["infinite_hit_rate"] > 0

@@ -113,8 +113,8 @@ def test_chains_index_like_a_list_and_refuse_appends_once_frozen():
     assert chains.num_distinct == 3 and chains.num_references == 4
 
 
-def test_only_a_mooncake_request_has_runs():
-    with pytest.raises(ValueError, match="Mooncake"):
+def test_only_a_hash_id_request_has_runs():
+    with pytest.raises(ValueError, match="only a hash-id request"):
         TraceExpander(16).block_hash_runs(TraceRequest(1, 3, 0, None, token_ids=(1, 2, 3)))
 
 

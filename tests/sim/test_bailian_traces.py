@@ -1,0 +1,187 @@
+"""Alibaba's Bailian trace format (16-token hash ids, timestamps in seconds): read, expanded
+to the manager's hashes at block sizes below and above 16, replayed, refused by merge."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from prefixcache.core import KVCacheManager, Request
+from prefixcache.entrypoints.cli import main
+from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.merge import merge_traces
+from prefixcache.sim.prepared import prepare_trace
+from prefixcache.sim.replay import ReplayConfig, replay
+from prefixcache.sim.trace import (
+    BAILIAN_BLOCK_SIZE,
+    MOONCAKE_BLOCK_SIZE,
+    Trace,
+    TraceRequest,
+    load_trace,
+    parse_line,
+)
+from tests.sim.helpers import mooncake_as_bailian, trace_prefix, write_lines
+
+
+def bailian_line(chat_id: int, parent: int, seconds: float, input_length: int,
+                 hash_ids: list[int], output_length: int = 20, turn: int = 1) -> dict:
+    return {"chat_id": chat_id, "parent_chat_id": parent, "timestamp": seconds,
+            "input_length": input_length, "output_length": output_length, "type": "text",
+            "turn": turn, "hash_ids": hash_ids}
+
+
+def random_bailian_lines(seed: int, num_requests: int = 80) -> list[dict]:
+    """Sessions whose turns extend the previous turn's full blocks, under a few shared
+    system prompts; each prompt's last block is partial, so its id is the request's own."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def new_ids(n: int) -> list[int]:
+        nonlocal next_id
+        next_id += n
+        return list(range(next_id - n, next_id))
+
+    system_prompts = [new_ids(rng.randint(1, 6)) for _ in range(3)]
+    sessions: list[tuple[int, list[int], int]] = []  # (chat id, full-block ids, turn)
+    lines = []
+    for chat_id in range(num_requests):
+        if sessions and rng.random() < 0.6:
+            index = rng.randrange(len(sessions))
+            parent, full, turn = sessions[index]
+            full = full + new_ids(rng.randint(0, 5))
+        else:
+            index, parent, turn = None, -1, 0
+            full = rng.choice(system_prompts) + new_ids(rng.randint(0, 8))
+        partial = rng.randint(1, BAILIAN_BLOCK_SIZE - 1)
+        lines.append(bailian_line(chat_id, parent, 0.25 * chat_id,
+                                  BAILIAN_BLOCK_SIZE * len(full) + partial,
+                                  full + new_ids(1), rng.randint(0, 40), turn + 1))
+        session = (chat_id, full, turn + 1)
+        if index is None:
+            sessions.append(session)
+        else:
+            sessions[index] = session
+    return lines
+
+
+def test_a_bailian_line_is_read_in_its_own_units():
+    request = parse_line(json.dumps(bailian_line(159, -1, 61.114, 40, [7, 8, 9], 132)), 4)
+    assert request.hash_block_size == BAILIAN_BLOCK_SIZE
+    assert request.hash_ids == (7, 8, 9) and request.input_length == 40
+    assert request.output_length == 132 and request.line_no == 4
+    assert request.timestamp_ms == pytest.approx(61_114.0)
+    # The same fields without a chat_id are a Mooncake line: 512-token ids, ms.
+    mooncake = parse_line('{"timestamp": 61, "input_length": 40, "hash_ids": [7]}', 1)
+    assert mooncake.hash_block_size == MOONCAKE_BLOCK_SIZE and mooncake.timestamp_ms == 61.0
+
+
+@pytest.mark.parametrize("line,reason", [
+    (bailian_line(1, -1, 0.5, 40, [1, 2]), r"2 hash_ids for input_length 40: expected 3 "
+                                           r"\(one per 16-token block"),
+    (bailian_line(1, -1, -0.5, 16, [1]), "'timestamp' must be a finite non-negative "
+                                         "number of s"),
+    # A Bailian line that lost its chat_id: the error says what it looks like.
+    ({"timestamp": 0, "input_length": 40, "hash_ids": [1, 2, 3]},
+     "expected 1 .* a Bailian line \\(16-token blocks\\) has a 'chat_id'"),
+])
+def test_bad_bailian_lines_say_what_is_wrong(line, reason):
+    with pytest.raises(ValueError, match=reason):
+        parse_line(json.dumps(line), 1)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32, 64, 512])
+def test_block_hashes_equal_the_managers_own_below_and_above_16(block_size):
+    trace = Trace("t", [parse_line(json.dumps(line), n)
+                        for n, line in enumerate(random_bailian_lines(3, 30), start=1)])
+    expander = TraceExpander(block_size)
+    prepared = prepare_trace(trace, expander)
+    manager = KVCacheManager(8, block_size, hash_seed=expander.hash_seed)
+    for index, request in enumerate(trace.requests):
+        tokens = expander.prompt_token_ids(request)
+        assert len(tokens) == request.input_length
+        live = Request(str(index), tokens)
+        manager.get_computed_blocks(live)  # attaches the manager's hasher, which hashes
+        assert live.block_hashes == expander.block_hashes(request) == prepared.block_hashes[index]
+        assert len(live.block_hashes) == request.input_length // block_size
+
+
+def test_ids_name_16_tokens_and_differ_from_mooncake_ids():
+    expander = TraceExpander(16)
+    first = TraceRequest(1, 40, 0, 0.0, hash_ids=(5, 6, 9), hash_block_size=16)
+    second = TraceRequest(2, 48, 0, 0.0, hash_ids=(5, 6, 7), hash_block_size=16)
+    tokens = expander.prompt_token_ids(first)
+    assert tokens[:32] == expander.token_block(5, 16) + expander.token_block(6, 16)
+    assert tokens[32:] != expander.token_block(9, 16)[:8]  # a partial block is the line's
+    # Two prompts naming the same first ids share those blocks, and only those.
+    assert expander.block_hashes(second)[:2] == expander.block_hashes(first)
+    assert expander.token_block(5, 16) != expander.token_block(5)[:16]
+    # At 512 tokens a block joins 32 ids: a prompt of fewer full ids has no full block.
+    assert TraceExpander(512).block_hashes(second) == []
+
+
+def test_a_block_size_that_neither_divides_nor_is_a_multiple_of_16_is_refused():
+    request = TraceRequest(3, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16)
+    with pytest.raises(ValueError, match="neither divides nor is a multiple of the "
+                                         "trace's 16-token blocks \\(line 3\\)"):
+        TraceExpander(24).block_hashes(request)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_a_replay_hits_what_the_same_prompts_as_token_ids_hit(tmp_path, block_size):
+    lines = random_bailian_lines(7)
+    trace = load_trace(write_lines(tmp_path / "bailian.jsonl", lines))
+    expander = TraceExpander(block_size)
+    as_token_ids = Trace("t", [
+        TraceRequest(r.line_no, r.input_length, r.output_length, r.timestamp_ms,
+                     token_ids=expander.prompt_token_ids(r)) for r in trace.requests])
+    for num_blocks in (40, 200, 10_000):
+        for policy in ("lru", "adaptive"):
+            config = ReplayConfig(num_blocks=num_blocks, policy=policy)
+            ours = replay(prepare_trace(trace, TraceExpander(block_size)), config)
+            theirs = replay(prepare_trace(as_token_ids, TraceExpander(block_size)), config)
+            assert ours.num_hit_tokens == theirs.num_hit_tokens
+    # The sessions do share: a large cache hits.
+    assert ours.num_hit_tokens > 0
+
+
+def test_a_timeline_replay_reads_seconds(tmp_path):
+    lines = [bailian_line(0, -1, 2.0, 40, [1, 2, 3], 10),
+             bailian_line(1, 0, 3.5, 56, [1, 2, 4, 5], 10, 2)]
+    trace = load_trace(write_lines(tmp_path / "b.jsonl", lines))
+    assert [r.timestamp_ms for r in trace.requests] == [2000.0, 3500.0]
+    result = replay(prepare_trace(trace, TraceExpander(16)),
+                    ReplayConfig(num_blocks=100, timeline=True))
+    assert result.num_hit_tokens == 32  # the second prompt's first two blocks
+
+
+def test_merge_refuses_a_bailian_trace(tmp_path):
+    bailian = load_trace(write_lines(tmp_path / "b.jsonl", random_bailian_lines(1, 5)))
+    with pytest.raises(ValueError, match="b.jsonl:1: a Bailian line"):
+        merge_traces([bailian])
+
+
+def test_replay_and_merge_commands(tmp_path, capsys):
+    path = write_lines(tmp_path / "b.jsonl", random_bailian_lines(2, 60))
+    assert main(["replay", str(path), "--num-blocks", "300", "--quiet",
+                 "--json", str(tmp_path / "out.json")]) == 0
+    figures = json.loads((tmp_path / "out.json").read_text())
+    assert figures["runs"][0]["num_requests"] == 60
+    assert figures["runs"][0]["hit_rate"] > 0
+    assert main(["merge", str(path), "-o", str(tmp_path / "m.jsonl"), "--quiet"]) == 1
+    assert "a Bailian line" in capsys.readouterr().err
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize("block_size", [16, 512])
+def test_the_shared_trace_spelt_in_16_token_ids_hits_the_same(block_size):
+    mooncake = trace_prefix(120)
+    bailian = Trace("bailian", [mooncake_as_bailian(r) for r in mooncake.requests])
+    for policy, num_blocks in (("lru", 40 * 512 // block_size),
+                               ("2q", 300 * 512 // block_size)):
+        config = ReplayConfig(num_blocks=num_blocks, policy=policy)
+        ours = replay(prepare_trace(bailian, TraceExpander(block_size)), config)
+        theirs = replay(prepare_trace(mooncake, TraceExpander(block_size)), config)
+        assert ours.num_hit_tokens == theirs.num_hit_tokens > 0
+        assert ours.num_evictions == theirs.num_evictions
