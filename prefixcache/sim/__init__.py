@@ -1,13 +1,13 @@
 """prefixcache.sim — trace replay and capacity planning over the real KV cache manager.
 
-``trace`` reads request traces (Mooncake hash ids or token ids), ``merge`` merges several
-in order of arrival, ``expand`` turns them into token ids and block hashes, ``prepared``
-hashes a trace once for many replays (each distinct hash stored once), ``replay`` drives
-:class:`~prefixcache.core.KVCacheManager` (sequential or timeline), ``belady`` is the
-offline-optimal free queue, ``dead_content`` the offline diagnostics that know only which
-content is never used again, ``sweep`` builds hit-rate-vs-capacity curves, ``reuse``
-measures how predictable a trace's reuse is (what bounds every online policy), ``report``
-prints and plots the curves. The ``prefixcache replay`` and ``merge`` commands over them
+``trace`` reads request traces (Mooncake or Bailian hash ids, or token ids), ``merge``
+merges several in order of arrival, ``expand`` turns them into token ids and block hashes,
+``prepared`` hashes a trace once for many replays (each distinct hash stored once),
+``replay`` drives :class:`~prefixcache.core.KVCacheManager` (sequential or timeline),
+``belady`` is the offline-optimal free queue, ``dead_content`` the offline diagnostics
+that know only which content is never used again, ``sweep`` builds hit-rate-vs-capacity
+curves, ``reuse`` measures how predictable a trace's reuse is (what bounds every online
+policy), ``report`` prints and plots the curves. The ``prefixcache replay`` and ``merge`` commands over them
 live in ``prefixcache.entrypoints`` (``replay_cmd``, ``merge_cmd``). Depends on
 ``prefixcache.core`` only (plus tqdm and matplotlib, imported where used).
 """
