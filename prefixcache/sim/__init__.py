@@ -7,9 +7,9 @@ merges several in order of arrival, ``expand`` turns them into token ids and blo
 ``belady`` is the offline-optimal free queue, ``dead_content`` the offline diagnostics
 that know only which content is never used again, ``sweep`` builds hit-rate-vs-capacity
 curves, ``reuse`` measures how predictable a trace's reuse is (what bounds every online
-policy), ``report`` prints and plots the curves. The ``prefixcache replay`` and ``merge`` commands over them
-live in ``prefixcache.entrypoints`` (``replay_cmd``, ``merge_cmd``). Depends on
-``prefixcache.core`` only (plus tqdm and matplotlib, imported where used).
+policy), ``report`` prints and plots the curves. The ``prefixcache replay`` and ``merge``
+commands over them live in ``prefixcache.entrypoints`` (``replay_cmd``, ``merge_cmd``).
+Depends on ``prefixcache.core`` only (plus tqdm and matplotlib, imported where used).
 """
 
 from prefixcache.sim.belady import BeladyFreeBlockQueue, FutureUses
