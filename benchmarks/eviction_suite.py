@@ -68,6 +68,9 @@ parameters drawn at random as above, merged in order of arrival with their hash 
 kept apart (``prefixcache merge``) and cut to ``--num-requests``; named
 ``merge-01-chat+rag`` and so on, each reported with its parts' families, seeds and
 parameters (``merged_from``), and counted with the random traces in the summary.
+
+The figures go to stdout as JSON; stderr has a line per trace when it is done and, on a
+terminal, a bar over the requests that trace's replays have left.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ import platform
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # Run as a script, this folder is on the path but not the repository, which the sibling
@@ -217,18 +221,19 @@ def best_candidate_figures(capacities: list[int], lru: list[float], belady: list
 
 def sweep_adaptive_with(prepared: PreparedTrace, capacities: list[int],
                         overrides: dict, jobs: int = 1,
-                        mode: ReplayMode = SEQUENTIAL) -> list[float]:
+                        mode: ReplayMode = SEQUENTIAL,
+                        progress: Callable[[int], object] | None = None) -> list[float]:
     """``adaptive``'s hit rates over ``capacities``, replayed in ``mode``, with its class
     attributes ``overrides`` set for the replays (and restored after; forked workers
-    inherit them)."""
+    inherit them). ``progress(n)``: as :func:`~prefixcache.sim.sweep.sweep`'s."""
     adaptive_class = EVICTION_POLICIES["adaptive"]
     saved = {name: getattr(adaptive_class, name) for name in overrides}
     for name, value in overrides.items():
         setattr(adaptive_class, name, value)
     try:
         return sweep(prepared, capacities, ["adaptive"], with_belady=False, jobs=jobs,
-                     concurrency=mode.concurrency,
-                     timeline=mode.timeline).policy_to_hit_rates["adaptive"]
+                     concurrency=mode.concurrency, timeline=mode.timeline,
+                     progress=progress).policy_to_hit_rates["adaptive"]
     finally:
         for name, value in saved.items():
             setattr(adaptive_class, name, value)
@@ -241,21 +246,30 @@ def trace_name(path: Path) -> str:
 
 def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
              lofo_variants: list[str], candidates_alone: bool = False,
-             jobs: int = 1, mode: ReplayMode = SEQUENTIAL) -> dict:
+             jobs: int = 1, mode: ReplayMode = SEQUENTIAL, progress=None) -> dict:
+    """The trace's figures (module docstring). ``progress``, a tqdm-like bar, is given
+    its ``total`` in requests replayed once the capacities are known, then updated as
+    they are."""
     prepared = prepare_trace(trace, TraceExpander(512))
     working_set = working_set_blocks(prepared)
     capacities = capacities_from_spec(fractions, working_set)
+    variants = [v for v in lofo_variants if v != REGISTERED]
+    candidate_overrides = candidate_alone_overrides() if candidates_alone else {}
+    update = None
+    if progress is not None:
+        num_sweeps = len(policies) + 1 + len(variants) + len(candidate_overrides)  # Belady
+        progress.total = num_sweeps * len(capacities) * len(prepared.requests)
+        progress.refresh()
+        update = progress.update
     result = sweep(prepared, capacities, policies, jobs=jobs, concurrency=mode.concurrency,
-                   timeline=mode.timeline)
+                   timeline=mode.timeline, progress=update)
     variant_to_rates = {REGISTERED: result.policy_to_hit_rates["adaptive"]}
-    for variant in lofo_variants:
-        if variant not in variant_to_rates:
-            variant_to_rates[variant] = sweep_adaptive_with(
-                prepared, capacities, ADAPTIVE_VARIANTS[variant], jobs, mode)
+    for variant in variants:
+        variant_to_rates[variant] = sweep_adaptive_with(
+            prepared, capacities, ADAPTIVE_VARIANTS[variant], jobs, mode, update)
     candidate_to_rates = {
-        label: sweep_adaptive_with(prepared, capacities, overrides, jobs, mode)
-        for label, overrides in candidate_alone_overrides().items()
-    } if candidates_alone else {}
+        label: sweep_adaptive_with(prepared, capacities, overrides, jobs, mode, update)
+        for label, overrides in candidate_overrides.items()}
     rates = result.policy_to_hit_rates
     lru, adaptive, belady = rates["lru"], rates["adaptive"], result.belady_hit_rates
     gaps, widest = gaps_and_widest(lru, belady)
@@ -479,9 +493,17 @@ def run(argv: list[str] | None) -> int:
             parser.error(f"--timeline needs a 'timestamp' on every request of {args.trace}")
     traces: dict[str, dict] = {}
 
+    # A bar per trace on a terminal (a trace of many thousand requests takes minutes);
+    # a line per trace when done, wherever stderr goes.
+    show_progress = sys.stderr is not None and sys.stderr.isatty()
+
     def measure(name: str, trace: Trace) -> dict:
-        figures = evaluate(trace, fractions, policies, lofo_variants, args.candidates_alone,
-                           args.jobs, mode)
+        from tqdm import tqdm
+        with tqdm(desc=f"{name}: replaying", unit="req", leave=False,
+                  disable=not show_progress) as bar:
+            figures = evaluate(trace, fractions, policies, lofo_variants,
+                               args.candidates_alone, args.jobs, mode,
+                               bar if show_progress else None)
         print(f"{name}: done", file=sys.stderr)
         return figures
 

@@ -435,3 +435,29 @@ def test_a_bailian_trace_is_measured_as_its_mooncake_spelling(tmp_path, capsys, 
     for policy in ("lru", "2q"):
         assert bailian["policy_hit_rates"][policy] == mooncake["policy_hit_rates"][policy]
     assert mooncake["infinite_hit_rate"] > 0
+
+
+def test_the_progress_total_counts_every_request_of_every_replay(chat_trace):
+    class Bar:
+        total, done = None, 0
+
+        def refresh(self):
+            pass
+
+        def update(self, n):
+            self.done += n
+
+    bar = Bar()
+    figures = evaluate(chat_trace, QUICK_FRACTIONS, ["lru", "adaptive"], ["margin-5"],
+                       candidates_alone=True, progress=bar)
+    # lru, adaptive, Belady, the variant and each candidate alone, at every capacity.
+    num_sweeps = 4 + len(CANDIDATES)
+    assert bar.total == bar.done == (num_sweeps * len(figures["capacities_blocks"])
+                                     * len(chat_trace.requests))
+
+
+def test_on_a_terminal_each_trace_has_a_bar(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    _, output, err = run_main(capsys, TINY_RUN)
+    assert "chat: replaying:" in err and list(output["traces"]) == ["chat"]
+    assert err.endswith("chat: done\n")  # the bar is cleared; the line stays
