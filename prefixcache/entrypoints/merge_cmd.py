@@ -17,8 +17,9 @@ Mooncake hash ids name content only within their own trace, so each trace's ids 
 past the ids of the traces before it (the first trace's stay as they are): no block is
 shared across traces. --shared-hash-ids keeps them as they are, for traces that name
 content alike (pieces of one trace, or traces hashed by one tool). Token-id requests name
-content by its tokens and are kept as they are. Either format, or both, may be merged;
-a Bailian trace (16-token hash ids) may not: its lines have no Mooncake spelling.
+content by its tokens and are kept as they are. Bailian traces (Alibaba's, 16-token hash
+ids) are merged the same way, their chat ids moved alike so that sessions stay apart;
+each line is written in its own format, and any of the three may be merged.
 
 Example:
   prefixcache synth chat --seed 1 --num-requests 12000 -o chat.jsonl
@@ -44,8 +45,8 @@ def register(subparsers) -> None:
                         help="shift each trace's timestamps so that its earliest request "
                              "arrives at 0, for traces logged at different times")
     parser.add_argument("--shared-hash-ids", action="store_true",
-                        help="keep Mooncake hash ids as they are: equal ids in different "
-                             "traces then name the same content")
+                        help="keep hash ids (and Bailian chat ids) as they are: equal "
+                             "ids in different traces then name the same content")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) malformed trace lines instead of failing")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,7 +15,7 @@ Bailian (Alibaba's public Qwen serving traces)
     told apart by ``chat_id``, with two differences: each hash id names a 16-token block
     (:data:`BAILIAN_BLOCK_SIZE`), so there are ``ceil(input_length / 16)`` of them, and
     ``timestamp`` is in seconds. The other fields describe sessions, which a replay finds
-    from the shared blocks themselves, and are not read.
+    from the shared blocks themselves: they are kept as they are, to be written back.
 Token ids
     A JSON list of token ids, or ``{"prompt_token_ids": [...]}`` with optional
     ``timestamp`` (ms) and ``output_length`` — a user's own tokenized log.
@@ -44,6 +44,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prefixcache.core import cdiv
 
@@ -75,7 +76,9 @@ class TraceRequest:
     Exactly one of ``hash_ids`` (ids of ``hash_block_size``-token blocks: 512 in the
     Mooncake format, 16 in the Bailian one) and ``token_ids`` (token-id format) is set; a
     parsed line's ``token_ids`` is an ``array`` of unsigned integers. ``timestamp_ms`` is
-    None when the line had no timestamp.
+    None when the line had no timestamp. ``session_fields`` are a Bailian line's fields
+    that a replay does not read (``chat_id``, ``parent_chat_id``, ``type``, ``turn``, any
+    others), in their order, so that :func:`format_line` writes the line back whole.
     """
 
     line_no: int
@@ -85,6 +88,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...] | None = None
     token_ids: Sequence[int] | None = None
     hash_block_size: int = MOONCAKE_BLOCK_SIZE
+    session_fields: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(slots=True)
@@ -164,6 +168,10 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
                         token_ids=array(typecode, values))
 
 
+# The fields of a hash-id line that a replay reads; a Bailian line keeps its others.
+_HASH_ID_LINE_FIELDS = frozenset(("timestamp", "input_length", "output_length", "hash_ids"))
+
+
 def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
     """A Mooncake line, or with ``bailian`` a Bailian one (16-token ids, seconds)."""
     block_size = BAILIAN_BLOCK_SIZE if bailian else MOONCAKE_BLOCK_SIZE
@@ -182,9 +190,14 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
             f"(one per {block_size}-token block, the last one possibly partial){hint}"
         )
-    timestamp = _timestamp(obj, "s", 1000) if bailian else _timestamp(obj)
+    if not bailian:
+        return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
+                            _timestamp(obj), hash_ids=tuple(hash_ids))
     return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
-                        timestamp, hash_ids=tuple(hash_ids), hash_block_size=block_size)
+                        _timestamp(obj, "s", 1000), hash_ids=tuple(hash_ids),
+                        hash_block_size=block_size,
+                        session_fields=tuple((key, value) for key, value in obj.items()
+                                             if key not in _HASH_ID_LINE_FIELDS))
 
 
 def parse_line(text: str, line_no: int) -> TraceRequest:
@@ -328,15 +341,17 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
 
 def format_line(request: TraceRequest) -> str:
     """``request`` as one line of its format (no line end), which :func:`parse_line`
-    reads back as an equal request (but for ``line_no``). A timestamp that is a whole
-    number of ms is written as an integer; a request without one is written without.
-    Raises ValueError for a Bailian request: its line's session fields are not kept."""
-    if request.hash_ids is not None and request.hash_block_size != MOONCAKE_BLOCK_SIZE:
-        raise ValueError(f"line {request.line_no}: only Mooncake and token-id requests are "
-                         f"written, not {request.hash_block_size}-token hash ids")
-    obj: dict = {}
+    reads back as an equal request (but for ``line_no``, and a Bailian timestamp, written
+    in seconds, to within rounding). A timestamp that is a whole number of its unit is
+    written as an integer; a request without one is written without. A Bailian request is
+    written with its session fields first (ValueError if they have no ``chat_id``)."""
+    bailian = request.hash_ids is not None and request.hash_block_size != MOONCAKE_BLOCK_SIZE
+    obj: dict = dict(request.session_fields) if bailian else {}
+    if bailian and "chat_id" not in obj:  # it would read back as a Mooncake line
+        raise ValueError(f"line {request.line_no}: a Bailian request needs its 'chat_id' "
+                         "to be written")
     if request.timestamp_ms is not None:
-        timestamp = float(request.timestamp_ms)
+        timestamp = float(request.timestamp_ms) / (1000 if bailian else 1)
         obj["timestamp"] = int(timestamp) if timestamp.is_integer() else timestamp
     if request.hash_ids is not None:
         obj.update(input_length=request.input_length, output_length=request.output_length,

@@ -1,5 +1,5 @@
 """Alibaba's Bailian trace format (16-token hash ids, timestamps in seconds): read, expanded
-to the manager's hashes at block sizes below and above 16, replayed, refused by merge."""
+to the manager's hashes at block sizes below and above 16, replayed, written back, merged."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from prefixcache.sim.trace import (
     MOONCAKE_BLOCK_SIZE,
     Trace,
     TraceRequest,
+    format_line,
     load_trace,
     parse_line,
 )
@@ -156,22 +157,54 @@ def test_a_timeline_replay_reads_seconds(tmp_path):
     assert result.num_hit_tokens == 32  # the second prompt's first two blocks
 
 
-def test_merge_refuses_a_bailian_trace(tmp_path):
-    bailian = load_trace(write_lines(tmp_path / "b.jsonl", random_bailian_lines(1, 5)))
-    with pytest.raises(ValueError, match="b.jsonl:1: a Bailian line"):
-        merge_traces([bailian])
+def test_a_line_is_written_back_whole():
+    line = {"chat_id": 160, "parent_chat_id": 159, "timestamp": 62.5, "input_length": 40,
+            "output_length": 80, "type": "search", "turn": 2, "hash_ids": [1, 2, 3],
+            "extra": {"kept": True}}
+    request = parse_line(json.dumps(line), 7)
+    assert json.loads(format_line(request)) == line
+    assert parse_line(format_line(request), 7) == request
+    with pytest.raises(ValueError, match="needs its 'chat_id'"):
+        format_line(TraceRequest(1, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16))
 
 
-def test_replay_and_merge_commands(tmp_path, capsys):
+def test_merged_traces_keep_their_sessions_and_blocks_apart(tmp_path):
+    first = load_trace(write_lines(tmp_path / "a.jsonl", random_bailian_lines(1, 30)))
+    second = load_trace(write_lines(tmp_path / "b.jsonl", random_bailian_lines(2, 30)))
+    merged = merge_traces([first, second])
+    assert len(merged) == 60
+    chats = [dict(r.session_fields)["chat_id"] for r in merged]
+    assert len(set(chats)) == 60  # both traces number their chats from 0
+    by_chat = {dict(r.session_fields)["chat_id"]: r for r in merged}
+    for request in merged:
+        parent = dict(request.session_fields)["parent_chat_id"]
+        if parent != -1:  # a follow-up still extends its parent's full blocks
+            parent_ids = by_chat[parent].hash_ids[:-1]
+            assert request.hash_ids[:len(parent_ids)] == parent_ids
+    # No block is shared across the traces: the merge hits what the two hit alone.
+    infinite = ReplayConfig(num_blocks=100_000)
+
+    def hits(requests):
+        return replay(prepare_trace(Trace("t", requests), TraceExpander(16)),
+                      infinite).num_hit_tokens
+
+    assert hits(merged) == hits(first.requests) + hits(second.requests) > 0
+    shared = merge_traces([first, first], shared_ids=True)
+    assert {dict(r.session_fields)["chat_id"] for r in shared} == set(range(30))
+
+
+def test_replay_and_merge_commands(tmp_path):
     path = write_lines(tmp_path / "b.jsonl", random_bailian_lines(2, 60))
     assert main(["replay", str(path), "--num-blocks", "300", "--quiet",
                  "--json", str(tmp_path / "out.json")]) == 0
     figures = json.loads((tmp_path / "out.json").read_text())
     assert figures["runs"][0]["num_requests"] == 60
     assert figures["runs"][0]["hit_rate"] > 0
-    assert main(["merge", str(path), "-o", str(tmp_path / "m.jsonl"), "--quiet"]) == 1
-    assert "a Bailian line" in capsys.readouterr().err
-    assert not (tmp_path / "m.jsonl").exists()
+    merged = tmp_path / "m.jsonl"
+    assert main(["merge", str(path), str(path), "-o", str(merged), "--quiet"]) == 0
+    lines = [json.loads(line) for line in merged.read_text().splitlines()]
+    assert len(lines) == 120 and all("chat_id" in line for line in lines)
+    assert load_trace(merged).requests[0].hash_block_size == BAILIAN_BLOCK_SIZE
 
 
 @pytest.mark.parametrize("block_size", [16, 512])
