@@ -64,9 +64,10 @@ class TraceExpander:
         self.block_hasher = BlockHasher(block_size, hash_algo, self.hash_seed)
         self.token_seed = token_seed
         self._id_to_token_bytes: dict[tuple[int, int], bytes] = {}
+        # Per size of the trace's blocks (a Mooncake id and a Bailian id may be equal):
         # (parent hash, the hash id of one run, or its ids if several) -> its hashes.
-        self._parent_and_ids_to_hashes: dict[
-            tuple[BlockHash | None, int | tuple[int, ...]], list[BlockHash]] = {}
+        self._runs_by_size: dict[int, dict[
+            tuple[BlockHash | None, int | tuple[int, ...]], list[BlockHash]]] = {}
 
     def check_supports(self, request: TraceRequest) -> None:
         """Raise ValueError when this block size cannot expand ``request``."""
@@ -147,7 +148,7 @@ class TraceExpander:
         ids_per_run = max(1, self.block_size // size)
         num_full_blocks = request.input_length // self.block_size
         runs: list[list[BlockHash]] = []
-        memo = self._parent_and_ids_to_hashes
+        memo = self._runs_by_size.setdefault(size, {})
         parent = None
         num_hashes = 0
         hash_ids = request.hash_ids

@@ -122,6 +122,16 @@ def test_ids_name_16_tokens_and_differ_from_mooncake_ids():
     assert TraceExpander(512).block_hashes(second) == []
 
 
+def test_a_mooncake_id_and_a_bailian_id_of_one_number_share_nothing():
+    expander = TraceExpander(16)
+    mooncake = TraceRequest(1, 512, 0, 0.0, hash_ids=(5,))
+    bailian = TraceRequest(2, 512, 0, 0.0, hash_ids=tuple(range(5, 37)), hash_block_size=16)
+    first, second = expander.block_hashes(mooncake), expander.block_hashes(bailian)
+    assert len(first) == len(second) == 32 and not set(first) & set(second)
+    # Either order of expanding them gives the same hashes.
+    assert TraceExpander(16).block_hashes(bailian) == second
+
+
 def test_a_block_size_that_neither_divides_nor_is_a_multiple_of_16_is_refused():
     request = TraceRequest(3, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16)
     with pytest.raises(ValueError, match="neither divides nor is a multiple of the "
