@@ -49,7 +49,7 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
                         for request in trace.requests)
         id_offset += 1 + max((max(r.hash_ids, default=-1) for r in trace.requests
                               if r.hash_ids is not None), default=-1)
-        chat_offset += 1 + max((_chat_id(r) for r in trace.requests), default=-1)
+        chat_offset += 1 + max((_largest_chat_id(r) for r in trace.requests), default=-1)
     # A stable sort: equal timestamps keep the order the loop above appended them in.
     arrivals.sort(key=lambda arrival: arrival[0])
     if max_requests is not None:
@@ -71,10 +71,17 @@ def _moved(hash_ids: tuple[int, ...] | None, by: int) -> tuple[int, ...] | None:
 _CHAT_ID_FIELDS = ("chat_id", "parent_chat_id")
 
 
-def _chat_id(request: TraceRequest) -> int:
-    """A Bailian request's chat id, or -1 (none, or not a non-negative integer)."""
-    value = dict(request.session_fields).get("chat_id", -1)
-    return value if type(value) is int and value >= 0 else -1
+def _is_chat_id(key: str, value) -> bool:
+    """Whether a session field is a chat id that moves: a non-negative integer (a root's
+    parent, -1, is none)."""
+    return key in _CHAT_ID_FIELDS and type(value) is int and value >= 0
+
+
+def _largest_chat_id(request: TraceRequest) -> int:
+    """The largest chat id a Bailian request names (its own or its parent's, which may
+    lie before the trace's first line), or -1."""
+    return max((value for key, value in request.session_fields if _is_chat_id(key, value)),
+               default=-1)
 
 
 def _moved_chats(session_fields: tuple, by: int) -> tuple:
@@ -82,5 +89,5 @@ def _moved_chats(session_fields: tuple, by: int) -> tuple:
     and ids that are not non-negative integers stay as they are)."""
     if not session_fields or by == 0:
         return session_fields
-    return tuple((key, value + by if key in _CHAT_ID_FIELDS and type(value) is int
-                  and value >= 0 else value) for key, value in session_fields)
+    return tuple((key, value + by if _is_chat_id(key, value) else value)
+                 for key, value in session_fields)

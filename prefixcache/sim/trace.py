@@ -190,12 +190,12 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
             f"(one per {block_size}-token block, the last one possibly partial){hint}"
         )
+    output_length = _num_tokens(obj, "output_length", 0)
     if not bailian:
-        return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
-                            _timestamp(obj), hash_ids=tuple(hash_ids))
-    return TraceRequest(line_no, input_length, _num_tokens(obj, "output_length", 0),
-                        _timestamp(obj, "s", 1000), hash_ids=tuple(hash_ids),
-                        hash_block_size=block_size,
+        return TraceRequest(line_no, input_length, output_length, _timestamp(obj),
+                            hash_ids=tuple(hash_ids))
+    return TraceRequest(line_no, input_length, output_length, _timestamp(obj, "s", 1000),
+                        hash_ids=tuple(hash_ids), hash_block_size=block_size,
                         session_fields=tuple((key, value) for key, value in obj.items()
                                              if key not in _HASH_ID_LINE_FIELDS))
 

@@ -203,6 +203,17 @@ def test_merged_traces_keep_their_sessions_and_blocks_apart(tmp_path):
     assert {dict(r.session_fields)["chat_id"] for r in shared} == set(range(30))
 
 
+def test_a_parent_before_the_trace_is_moved_past_too(tmp_path):
+    # A window cut from a longer trace: line 1's parent, chat 10, is not in it.
+    first = load_trace(write_lines(tmp_path / "a.jsonl", [
+        bailian_line(3, 10, 0.0, 20, [1, 2], turn=4)]))
+    second = load_trace(write_lines(tmp_path / "b.jsonl", [
+        bailian_line(0, -1, 1.0, 20, [1, 2]), bailian_line(1, 0, 2.0, 36, [1, 5, 6], turn=2)]))
+    merged = [dict(r.session_fields) for r in merge_traces([first, second])]
+    assert [(f["chat_id"], f["parent_chat_id"]) for f in merged] == [(3, 10), (11, -1),
+                                                                      (12, 11)]
+
+
 def test_replay_and_merge_commands(tmp_path):
     path = write_lines(tmp_path / "b.jsonl", random_bailian_lines(2, 60))
     assert main(["replay", str(path), "--num-blocks", "300", "--quiet",
