@@ -24,8 +24,9 @@ wins?
 Trace formats (JSON lines, chosen per line):
   Mooncake   {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}
              each hash id is a 512-token block, expanded into deterministic pseudo-random
-             tokens; a smaller --block-size (a divisor of 512) subdivides it. The trailing
-             input_length % block-size tokens are unique to the request.
+             tokens; a smaller --block-size (a divisor of 512) subdivides it, a larger
+             one (a multiple) joins ids. The trailing input_length % block-size tokens
+             are unique to the request.
   Bailian    {"chat_id": c, "timestamp": s, "input_length": n, "output_length": m,
              "hash_ids": [...], ...}   Alibaba's public Qwen traces: as Mooncake, but
              each hash id is a 16-token block and the timestamp is in seconds;
@@ -131,9 +132,10 @@ def register(subparsers) -> None:
                            "of blocks, or a share of the trace's working set (its distinct "
                            "full blocks) written like 5%%")
     parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
-                        metavar="B", help="tokens per block (default %(default)s; must divide "
-                                          "512 for Mooncake traces, divide 16 or be a "
-                                          "multiple of it for Bailian ones)")
+                        metavar="B", help="tokens per block (default %(default)s); for a "
+                                          "trace of hash ids, a divisor or a multiple of "
+                                          "its blocks' size (512 tokens for Mooncake, 16 "
+                                          "for Bailian)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help=f"eviction policies: {', '.join(EVICTION_POLICIES)} (lru "
                              "is the default), or 'online' for all of these; offline: belady, "

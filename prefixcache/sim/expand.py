@@ -78,7 +78,8 @@ class TraceExpander:
             if size == MOONCAKE_BLOCK_SIZE:
                 raise ValueError(
                     f"block size {block_size} does not divide the Mooncake block size "
-                    f"{size}; choose a divisor such as 16, 32, 64, 128, 256 or 512"
+                    f"{size} (nor is a multiple of it); choose a divisor such as 16, 32, "
+                    "64, 128, 256 or 512"
                 )
             raise ValueError(
                 f"block size {block_size} neither divides nor is a multiple of the trace's "
@@ -131,9 +132,10 @@ class TraceExpander:
 
     def block_hash_runs(self, request: TraceRequest) -> tuple[list[list[BlockHash]], int]:
         """A hash-id request's chain as runs, and its number of full blocks: the chain is
-        the runs' concatenation cut to that length. A run covers one hash id where the
-        block size divides the trace's blocks (its sub-block hashes), else the ids of one
-        block (its one hash).
+        the runs' concatenation cut to that length. A run covers the ids of about 512
+        tokens of whole blocks (one Mooncake id's sub-blocks; 32 Bailian ids, or the ids of
+        one block larger than that) and holds their hashes; a prompt's last run may cover
+        fewer ids.
 
         A run is the memoised list of its ids' hashes after its parent, the same object
         for every request with the same prefix up to it. (Runs of different ids after the
@@ -145,8 +147,12 @@ class TraceExpander:
             raise ValueError("only a hash-id request has hash-id runs")
         self.check_supports(request)
         size = request.hash_block_size
-        ids_per_run = max(1, self.block_size // size)
-        num_full_blocks = request.input_length // self.block_size
+        # A run covers whole blocks, about 512 tokens of them (a Mooncake id's), so a
+        # trace of small ids is memoised in as few runs as a Mooncake trace: one per
+        # 16-token id would cost a run, a key and a cached list per block.
+        block_size = self.block_size
+        ids_per_run = max(1, block_size * max(1, MOONCAKE_BLOCK_SIZE // block_size) // size)
+        num_full_blocks = request.input_length // block_size
         runs: list[list[BlockHash]] = []
         memo = self._runs_by_size.setdefault(size, {})
         parent = None
