@@ -92,7 +92,7 @@ def test_bad_bailian_lines_say_what_is_wrong(line, reason):
         parse_line(json.dumps(line), 1)
 
 
-@pytest.mark.parametrize("block_size", [4, 16, 32, 64, 512])
+@pytest.mark.parametrize("block_size", [4, 16, 32, 48, 64, 512, 1024])
 def test_block_hashes_equal_the_managers_own_below_and_above_16(block_size):
     trace = Trace("t", [parse_line(json.dumps(line), n)
                         for n, line in enumerate(random_bailian_lines(3, 30), start=1)])
@@ -139,7 +139,7 @@ def test_a_block_size_that_neither_divides_nor_is_a_multiple_of_16_is_refused():
         TraceExpander(24).block_hashes(request)
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [8, 16, 48, 64])
 def test_a_replay_hits_what_the_same_prompts_as_token_ids_hit(tmp_path, block_size):
     lines = random_bailian_lines(7)
     trace = load_trace(write_lines(tmp_path / "bailian.jsonl", lines))
