@@ -218,7 +218,7 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
         return _parse_hash_ids(obj, line_no, bailian="chat_id" in obj)
     if "prompt_token_ids" in obj:
         return _parse_token_ids(obj["prompt_token_ids"], line_no, obj)
-    raise ValueError("expected 'hash_ids' (Mooncake format) or 'prompt_token_ids'")
+    raise ValueError("expected 'hash_ids' (Mooncake or Bailian format) or 'prompt_token_ids'")
 
 
 _BYTE_ORDER_MARK = "\ufeff"
