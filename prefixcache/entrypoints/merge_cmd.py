@@ -34,7 +34,7 @@ def register(subparsers) -> None:
         "merge", help="merge request traces into one, in order of arrival",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", metavar="TRACE",
-                        help="trace files (JSON lines, Mooncake or token-id format); "
+                        help="trace files (JSON lines: Mooncake, Bailian or token-id format); "
                              "- reads one from standard input")
     parser.add_argument("-o", "--output", default="-", metavar="FILE",
                         help="output file (default: standard output); it may be one of "
