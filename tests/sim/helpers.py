@@ -78,7 +78,7 @@ def mooncake_as_bailian(request: TraceRequest) -> TraceRequest:
                         hash_block_size=BAILIAN_BLOCK_SIZE)
 
 
-def bailian_line(request: TraceRequest, chat_id: int) -> dict:
+def bailian_line_of(request: TraceRequest, chat_id: int) -> dict:
     """A Bailian-format request as the line a trace file holds (one session per request:
     the replay does not read the session fields)."""
     return {"chat_id": chat_id, "parent_chat_id": -1, "timestamp": request.timestamp_ms / 1000,

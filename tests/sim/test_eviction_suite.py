@@ -31,7 +31,7 @@ from prefixcache.sim.sweep import sweep
 from prefixcache.sim.trace import format_line, load_trace
 from prefixcache.sim.workloads import generate_requests, write_trace
 from tests.processes import REPO_ROOT
-from tests.sim.helpers import bailian_line, mooncake_as_bailian, write_lines
+from tests.sim.helpers import bailian_line_of, mooncake_as_bailian, write_lines
 
 
 def test_best_candidate_at_the_widest_gap_and_adaptive_shortfall():
@@ -419,7 +419,7 @@ def test_a_bailian_trace_is_measured_as_its_mooncake_spelling(tmp_path, capsys, 
     that does not sample hashes (LRU, 2q, Belady, the infinite cache) is the same."""
     requests = chat_trace.requests
     bailian_path = write_lines(tmp_path / "bailian.jsonl", [
-        bailian_line(mooncake_as_bailian(r), n) for n, r in enumerate(requests)])
+        bailian_line_of(mooncake_as_bailian(r), n) for n, r in enumerate(requests)])
     mooncake_path = tmp_path / "mooncake.jsonl"
     mooncake_path.write_text("".join(format_line(r) + "\n" for r in requests))
     figures = {}
