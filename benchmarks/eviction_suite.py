@@ -102,6 +102,7 @@ from prefixcache.arg_types import name_list, positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.entrypoints.cli import run_with_exit_codes
+from prefixcache.entrypoints.trace_options import add_trace_block_size
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.merge import merge_traces
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
@@ -393,6 +394,7 @@ def run(argv: list[str] | None) -> int:
                         help="a Mooncake- or Bailian-format trace measured beside the "
                              "families, named by its file (default: the shared trace, named "
                              "'shared'; '' skips it)")
+    add_trace_block_size(parser)
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),
                         help="the online eviction policies replayed, comma-separated "
                              "(default: every registered one; must include lru and "
@@ -481,7 +483,7 @@ def run(argv: list[str] | None) -> int:
     shared = None
     if args.trace:
         try:  # before the families: a bad file should not wait for minutes of replays
-            shared = load_trace(Path(args.trace))
+            shared = load_trace(Path(args.trace), mooncake_block_size=args.trace_block_size)
         except TraceFormatError as exc:  # its message names the file (or directory)
             parser.error(f"--trace: {exc}")
         except OSError as exc:

@@ -30,6 +30,8 @@ Example:
 
 
 def register(subparsers) -> None:
+    from prefixcache.entrypoints.trace_options import add_trace_block_size
+
     parser = subparsers.add_parser(
         "merge", help="merge request traces into one, in order of arrival",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +49,7 @@ def register(subparsers) -> None:
     parser.add_argument("--shared-hash-ids", action="store_true",
                         help="keep hash ids (and Bailian chat ids) as they are: equal "
                              "ids in different traces then name the same content")
+    add_trace_block_size(parser)
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) malformed trace lines instead of failing")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                   unit_scale=True, disable=not show_progress) as bar:
             for path in args.traces:
                 traces.append(load_trace(path, skip_bad_lines=args.skip_bad_lines,
-                                         progress=bar.update))
+                                         progress=bar.update,
+                                         mooncake_block_size=args.trace_block_size))
     except TraceFormatError as exc:
         return _error(str(exc))
     for trace in traces:

@@ -23,10 +23,10 @@ wins?
 
 Trace formats (JSON lines, chosen per line):
   Mooncake   {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}
-             each hash id is a 512-token block, expanded into deterministic pseudo-random
-             tokens; a smaller --block-size (a divisor of 512) subdivides it, a larger
-             one (a multiple) joins ids. The trailing input_length % block-size tokens
-             are unique to the request.
+             each hash id is a 512-token block (--trace-block-size for another size),
+             expanded into deterministic pseudo-random tokens; a smaller --block-size (a
+             divisor of 512) subdivides it, a larger one (a multiple) joins ids. The
+             trailing input_length % block-size tokens are unique to the request.
   Bailian    {"chat_id": c, "timestamp": s, "input_length": n, "output_length": m,
              "hash_ids": [...], ...}   Alibaba's public Qwen traces: as Mooncake, but
              each hash id is a 16-token block and the timestamp is in seconds;
@@ -117,6 +117,7 @@ def _policy_list(text: str) -> list[str]:
 
 def register(subparsers) -> None:
     from prefixcache.core import EVICTION_POLICIES
+    from prefixcache.entrypoints.trace_options import add_trace_block_size
     from prefixcache.sim.replay import MIN_DECODE_TOKENS_PER_S
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
@@ -166,6 +167,7 @@ def register(subparsers) -> None:
                         default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
                         help="KV bytes per token, for GiB figures (default %(default)s: "
                              "Llama-3-8B in fp16)")
+    add_trace_block_size(parser)
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) malformed trace lines instead of failing")
     parser.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
@@ -281,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=trace_file_size(args.trace), desc="reading", unit="B", unit_scale=True,
                   disable=not show_progress) as bar:
             trace = load_trace(args.trace, skip_bad_lines=args.skip_bad_lines,
-                               max_requests=args.max_requests, progress=bar.update)
+                               max_requests=args.max_requests, progress=bar.update,
+                               mooncake_block_size=args.trace_block_size)
     except TraceFormatError as exc:
         return _error(str(exc))
     if trace.num_bad_lines:

@@ -5,10 +5,12 @@ Formats, one JSON value per line (blank lines are ignored; the format is decided
 
 Mooncake
     ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` — each
-    hash id names one 512-token block of the prompt (:data:`MOONCAKE_BLOCK_SIZE`); equal ids
-    mean equal content. There must be ``ceil(input_length / 512)`` ids: the last one covers
-    the trailing partial block, if any. ``output_length`` defaults to 0; ``timestamp`` may
-    be left out (None: the request has no arrival time, which timeline replays need).
+    hash id names one 512-token block of the prompt (:data:`MOONCAKE_BLOCK_SIZE`, or the
+    reader's ``mooncake_block_size``: tools that write this format for other block sizes
+    exist); equal ids mean equal content. There must be ``ceil(input_length / 512)`` ids:
+    the last one covers the trailing partial block, if any. ``output_length`` defaults to
+    0; ``timestamp`` may be left out (None: the request has no arrival time, which
+    timeline replays need).
 Bailian (Alibaba's public Qwen serving traces)
     ``{"chat_id": c, "parent_chat_id": p, "timestamp": s, "input_length": n,
     "output_length": m, "type": t, "turn": k, "hash_ids": [...]}`` — the Mooncake fields,
@@ -78,7 +80,8 @@ class TraceRequest:
     parsed line's ``token_ids`` is an ``array`` of unsigned integers. ``timestamp_ms`` is
     None when the line had no timestamp. ``session_fields`` are a Bailian line's fields
     that a replay does not read (``chat_id``, ``parent_chat_id``, ``type``, ``turn``, any
-    others), in their order, so that :func:`format_line` writes the line back whole.
+    others), in their order, so that :func:`format_line` writes the line back whole; a
+    Bailian line always has some (its ``chat_id``), any other none.
     """
 
     line_no: int
@@ -172,9 +175,11 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
 _HASH_ID_LINE_FIELDS = frozenset(("timestamp", "input_length", "output_length", "hash_ids"))
 
 
-def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
-    """A Mooncake line, or with ``bailian`` a Bailian one (16-token ids, seconds)."""
-    block_size = BAILIAN_BLOCK_SIZE if bailian else MOONCAKE_BLOCK_SIZE
+def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
+                    mooncake_block_size: int) -> TraceRequest:
+    """A Mooncake line (ids of ``mooncake_block_size`` tokens), or with ``bailian`` a
+    Bailian one (16-token ids, seconds)."""
+    block_size = BAILIAN_BLOCK_SIZE if bailian else mooncake_block_size
     input_length = _num_tokens(obj, "input_length")
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
@@ -184,8 +189,12 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
     expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
         # A Bailian line without its chat_id would land here: say what it looks like.
-        looks_bailian = not bailian and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE)
-        hint = "; a Bailian line (16-token blocks) has a 'chat_id'" if looks_bailian else ""
+        looks_bailian = (not bailian and block_size != BAILIAN_BLOCK_SIZE
+                         and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE))
+        hint = ("; a Bailian line (16-token blocks) has a 'chat_id'" if looks_bailian
+                else "" if bailian
+                else "; if the trace's ids name blocks of another size, give that size "
+                     "(--trace-block-size)")
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
             f"(one per {block_size}-token block, the last one possibly partial){hint}"
@@ -193,15 +202,17 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool) -> TraceRequest:
     output_length = _num_tokens(obj, "output_length", 0)
     if not bailian:
         return TraceRequest(line_no, input_length, output_length, _timestamp(obj),
-                            hash_ids=tuple(hash_ids))
+                            hash_ids=tuple(hash_ids), hash_block_size=block_size)
     return TraceRequest(line_no, input_length, output_length, _timestamp(obj, "s", 1000),
                         hash_ids=tuple(hash_ids), hash_block_size=block_size,
                         session_fields=tuple((key, value) for key, value in obj.items()
                                              if key not in _HASH_ID_LINE_FIELDS))
 
 
-def parse_line(text: str, line_no: int) -> TraceRequest:
-    """One non-blank line as a request. Raises ValueError saying what is wrong with it."""
+def parse_line(text: str, line_no: int,
+               mooncake_block_size: int = MOONCAKE_BLOCK_SIZE) -> TraceRequest:
+    """One non-blank line as a request, a Mooncake line's hash ids naming blocks of
+    ``mooncake_block_size`` tokens. Raises ValueError saying what is wrong with it."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -215,7 +226,7 @@ def parse_line(text: str, line_no: int) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object or a list of token ids")
     if "hash_ids" in obj:
-        return _parse_hash_ids(obj, line_no, bailian="chat_id" in obj)
+        return _parse_hash_ids(obj, line_no, "chat_id" in obj, mooncake_block_size)
     if "prompt_token_ids" in obj:
         return _parse_token_ids(obj["prompt_token_ids"], line_no, obj)
     raise ValueError("expected 'hash_ids' (Mooncake or Bailian format) or 'prompt_token_ids'")
@@ -226,10 +237,12 @@ _BYTE_ORDER_MARK = "\ufeff"
 
 def load_trace(path: str | Path, skip_bad_lines: bool = False,
                max_requests: int | None = None,
-               progress: Callable[[int], object] | None = None) -> Trace:
+               progress: Callable[[int], object] | None = None,
+               mooncake_block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     """Parse a trace file, or standard input for ``-``; at most ``max_requests`` requests
     (all when None). ``progress``, if given, is called with the size of each line read
-    (in bytes; in characters for a text stream without a byte buffer).
+    (in bytes; in characters for a text stream without a byte buffer). Mooncake lines'
+    hash ids name blocks of ``mooncake_block_size`` tokens.
 
     Raises :class:`TraceFormatError` for a missing or unreadable file (or a closed standard
     input), a bad line (unless ``skip_bad_lines``), or a trace with no requests.
@@ -241,7 +254,7 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
         # does not depend on who pipes it in); a text stream without a byte buffer is
         # read as it is.
         return _read_trace(_counted(getattr(sys.stdin, "buffer", sys.stdin), progress),
-                           STDIN_NAME, skip_bad_lines, max_requests)
+                           STDIN_NAME, skip_bad_lines, max_requests, mooncake_block_size)
     path = Path(path)
     name = printable_path(path)
     try:
@@ -251,7 +264,8 @@ def load_trace(path: str | Path, skip_bad_lines: bool = False,
     except OSError as exc:
         raise TraceFormatError(f"{name}: cannot open trace: {exc.strerror}") from None
     with handle:
-        return _read_trace(_counted(handle, progress), name, skip_bad_lines, max_requests)
+        return _read_trace(_counted(handle, progress), name, skip_bad_lines, max_requests,
+                           mooncake_block_size)
 
 
 def trace_file_size(path: str | Path) -> int | None:
@@ -309,7 +323,7 @@ def _universal_lines(lines: Iterable[bytes | str]) -> Iterator[bytes | str]:
 
 
 def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
-                max_requests: int | None) -> Trace:
+                max_requests: int | None, mooncake_block_size: int) -> Trace:
     trace = Trace(path)
     line_no = 0
     try:
@@ -319,7 +333,7 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
             try:
                 text = _decode(line, line_no)
                 if text.strip():
-                    trace.requests.append(parse_line(text, line_no))
+                    trace.requests.append(parse_line(text, line_no, mooncake_block_size))
             except (ValueError, KeyError, TypeError) as exc:
                 reason = f"{path}:{line_no}: {exc}"
                 if not skip_bad_lines:
@@ -343,13 +357,12 @@ def format_line(request: TraceRequest) -> str:
     """``request`` as one line of its format (no line end), which :func:`parse_line`
     reads back as an equal request (but for ``line_no``, and a Bailian timestamp, written
     in seconds, to within rounding). A timestamp that is a whole number of its unit is
-    written as an integer; a request without one is written without. A Bailian request is
-    written with its session fields first (ValueError if they have no ``chat_id``)."""
-    bailian = request.hash_ids is not None and request.hash_block_size != MOONCAKE_BLOCK_SIZE
+    written as an integer; a request without one is written without. A Bailian request
+    (one with session fields) is written with them first. A Mooncake request's ids are
+    written as they are, whatever size of block they name: reading them back takes the
+    same ``mooncake_block_size``."""
+    bailian = request.hash_ids is not None and bool(request.session_fields)
     obj: dict = dict(request.session_fields) if bailian else {}
-    if bailian and "chat_id" not in obj:  # it would read back as a Mooncake line
-        raise ValueError(f"line {request.line_no}: a Bailian request needs its 'chat_id' "
-                         "to be written")
     if request.timestamp_ms is not None:
         timestamp = float(request.timestamp_ms) / (1000 if bailian else 1)
         obj["timestamp"] = int(timestamp) if timestamp.is_integer() else timestamp

@@ -66,16 +66,20 @@ def random_mooncake_trace(seed: int, num_requests: int = 60, num_roots: int = 6)
     return Trace("random", requests)
 
 
-def mooncake_as_bailian(request: TraceRequest) -> TraceRequest:
-    """A Mooncake request spelt in the Bailian format's 16-token ids: id ``h``'s ``j``-th
-    16 tokens become id ``32 h + j``, so the two name the same sharing at every block
-    size from 16 up (the tokens, and so the hashes, differ)."""
-    per_id = MOONCAKE_BLOCK_SIZE // BAILIAN_BLOCK_SIZE
-    num_ids = -(-request.input_length // BAILIAN_BLOCK_SIZE)
+def mooncake_in_smaller_ids(request: TraceRequest, size: int) -> TraceRequest:
+    """A Mooncake request spelt in ids of ``size`` tokens (a divisor of 512): id ``h``'s
+    ``j``-th ``size`` tokens become id ``512 / size * h + j``, so the two name the same
+    sharing at every block size from ``size`` up (the tokens, and so the hashes, differ)."""
+    per_id = MOONCAKE_BLOCK_SIZE // size
+    num_ids = -(-request.input_length // size)
     ids = tuple(h * per_id + j for h in request.hash_ids for j in range(per_id))[:num_ids]
     return TraceRequest(request.line_no, request.input_length, request.output_length,
-                        request.timestamp_ms, hash_ids=ids,
-                        hash_block_size=BAILIAN_BLOCK_SIZE)
+                        request.timestamp_ms, hash_ids=ids, hash_block_size=size)
+
+
+def mooncake_as_bailian(request: TraceRequest) -> TraceRequest:
+    """:func:`mooncake_in_smaller_ids` in the Bailian format's 16-token ids."""
+    return mooncake_in_smaller_ids(request, BAILIAN_BLOCK_SIZE)
 
 
 def bailian_line_of(request: TraceRequest, chat_id: int) -> dict:

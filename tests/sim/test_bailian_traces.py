@@ -174,8 +174,10 @@ def test_a_line_is_written_back_whole():
     request = parse_line(json.dumps(line), 7)
     assert json.loads(format_line(request)) == line
     assert parse_line(format_line(request), 7) == request
-    with pytest.raises(ValueError, match="needs its 'chat_id'"):
-        format_line(TraceRequest(1, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16))
+    # Without session fields it is a Mooncake line of 16-token ids, read back as such.
+    mooncake_16 = TraceRequest(1, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16)
+    assert "chat_id" not in json.loads(format_line(mooncake_16))
+    assert parse_line(format_line(mooncake_16), 1, mooncake_block_size=16) == mooncake_16
 
 
 def test_merged_traces_keep_their_sessions_and_blocks_apart(tmp_path):
