@@ -7,10 +7,10 @@ Mooncake
     ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` — each
     hash id names one 512-token block of the prompt (:data:`MOONCAKE_BLOCK_SIZE`, or the
     reader's ``mooncake_block_size``: tools that write this format for other block sizes
-    exist); equal ids mean equal content. There must be ``ceil(input_length / 512)`` ids:
-    the last one covers the trailing partial block, if any. ``output_length`` defaults to
-    0; ``timestamp`` may be left out (None: the request has no arrival time, which
-    timeline replays need).
+    exist); equal ids mean equal content. There must be ``ceil(input_length / 512)`` ids
+    (of that size): the last one covers the trailing partial block, if any.
+    ``output_length`` defaults to 0; ``timestamp`` may be left out (None: the request has
+    no arrival time, which timeline replays need).
 Bailian (Alibaba's public Qwen serving traces)
     ``{"chat_id": c, "parent_chat_id": p, "timestamp": s, "input_length": n,
     "output_length": m, "type": t, "turn": k, "hash_ids": [...]}`` — the Mooncake fields,
@@ -188,13 +188,16 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
         raise ValueError("'hash_ids' must be a list of non-negative integers")
     expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
-        # A Bailian line without its chat_id would land here: say what it looks like.
-        looks_bailian = (not bailian and block_size != BAILIAN_BLOCK_SIZE
-                         and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE))
-        hint = ("; a Bailian line (16-token blocks) has a 'chat_id'" if looks_bailian
-                else "" if bailian
-                else "; if the trace's ids name blocks of another size, give that size "
-                     "(--trace-block-size)")
+        # A Mooncake line may be a Bailian line that lost its chat_id, or name blocks of
+        # another size: say which.
+        if bailian:
+            hint = ""
+        elif (block_size != BAILIAN_BLOCK_SIZE
+              and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE)):
+            hint = "; a Bailian line (16-token blocks) has a 'chat_id'"
+        else:
+            hint = ("; if the trace's ids name blocks of another size, give that size "
+                    "(--trace-block-size)")
         raise ValueError(
             f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected} "
             f"(one per {block_size}-token block, the last one possibly partial){hint}"
