@@ -1,5 +1,5 @@
-"""Request traces: the two line formats a replay reads, parsed into :class:`TraceRequest`
-(and written back by :func:`format_line`).
+"""Request traces: the three line formats a replay reads, parsed into
+:class:`TraceRequest` (and written back by :func:`format_line`).
 
 Formats, one JSON value per line (blank lines are ignored; the format is decided per line):
 
