@@ -39,7 +39,8 @@ LRU at any capacity), and the left-out trace's figures under it are reported
 
 ``--trace PATH`` measures another Mooncake- or Bailian-format trace (docs/trace-formats.md)
 in the shared one's place (named after its file: a trace of your own traffic, or one kept
-aside from tuning).
+aside from tuning); ``--trace-block-size N`` reads its Mooncake lines' ids as N-token
+blocks, and its figures say which (``trace_block_size``).
 ``--families ''`` runs that trace alone and ``--trace ''`` skips it, so the traces can
 be measured by separate processes; ``--split-trace N`` measures that trace as ``N``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
@@ -530,7 +531,8 @@ def run(argv: list[str] | None) -> int:
             (f"{name}-{part}/{args.split_trace}", dataclasses.replace(shared, requests=requests))
             for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
         for part_name, trace in parts:
-            traces[part_name] = measure(part_name, trace)
+            traces[part_name] = {"trace_block_size": args.trace_block_size,
+                                 **measure(part_name, trace)}
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},

@@ -338,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
 
     payload = {"trace": trace.path, "num_requests": num_requests,
                "num_bad_lines": trace.num_bad_lines, "block_size": args.block_size,
+               "trace_block_size": args.trace_block_size,
                "kv_bytes_per_token": args.kv_bytes_per_token,
                "mode": "timeline" if args.timeline else "sequential", **payload}
     try:

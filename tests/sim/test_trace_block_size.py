@@ -50,6 +50,8 @@ def test_replay_hits_what_the_512_token_spelling_hits(traces, tmp_path, block_si
                 "belady_hit_rates", "policy_hit_rates"):
         assert figures["ids64"][key] == figures["mooncake"][key]
     assert figures["mooncake"]["infinite_hit_rate"] > 0
+    assert (figures["mooncake"]["trace_block_size"], figures["ids64"]["trace_block_size"]) \
+        == (512, 64)
     # Without the option the 64-token ids are counted as 512-token ones: a clear error.
     assert main(["replay", str(traces["ids64"]), "--num-blocks", "100", "--quiet"]) == 1
 
@@ -69,3 +71,4 @@ def test_merge_and_the_suite_read_them_too(traces, tmp_path, capsys):
         assert outputs["ids64"][key] == outputs["mooncake"][key]
     assert (outputs["ids64"]["policy_hit_rates"]["lru"]
             == outputs["mooncake"]["policy_hit_rates"]["lru"])
+    assert outputs["ids64"]["trace_block_size"] == 64
