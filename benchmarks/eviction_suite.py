@@ -102,7 +102,7 @@ from benchmarks.eviction_suite_output import (
 from prefixcache.arg_types import name_list, positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
-from prefixcache.entrypoints.cli import run_with_exit_codes
+from prefixcache.entrypoints.cli import run_with_exit_codes, stderr_to_null_if_closed
 from prefixcache.entrypoints.trace_options import add_trace_block_size
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.merge import merge_traces
@@ -368,7 +368,9 @@ def merged_trace(name: str, parts: list[tuple[str, int, dict]], num_requests: in
 def main(argv: list[str] | None = None) -> int:
     """Run the script on ``argv``, ending as the ``prefixcache`` command does (Ctrl-C: exit
     130; stdout's reader gone: 141, quietly). A usage error exits 2 (SystemExit from
-    argparse)."""
+    argparse). Started with stderr closed, its lines go nowhere rather than into the
+    JSON on stdout."""
+    stderr_to_null_if_closed()
     return run_with_exit_codes(lambda: run(argv))
 
 

@@ -8,7 +8,8 @@ Modules keep heavy imports (torch, fastapi, ...) inside their ``func`` so that
 When the reader of stdout goes away (``prefixcache replay ... | head -3``), the command
 stops quietly with exit code 141 (128 + SIGPIPE), as a command killed by SIGPIPE would:
 no traceback, nothing on stderr. Running out of memory is one line on stderr and exit
-code 1, not a traceback.
+code 1, not a traceback. Started with stderr closed (``2>&-``), its messages go nowhere
+rather than into the data on stdout (``print(file=None)`` prints to stdout).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # made model steps ~5x slower whenever another process shared the cores. Passive
     # waiting costs little on an idle machine. An explicit setting is respected.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    stderr_to_null_if_closed()
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -63,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixcache {args.command}: error: out of memory (the inputs need more "
               "memory than this machine has)", file=sys.stderr)
         return 1
+
+
+def stderr_to_null_if_closed() -> None:
+    """Point ``sys.stderr`` at the null device if the process was started with file
+    descriptor 2 closed (it is then None): ``print(..., file=sys.stderr)`` would otherwise
+    print to stdout, in the middle of a trace or of JSON written there."""
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (for the process)
 
 
 def run_with_exit_codes(func: Callable[[], int | None]) -> int:
