@@ -41,7 +41,7 @@ def positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -106,6 +106,14 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError:
         raw = text.encode("utf-8", "surrogateescape")
         raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {raw!r}") from None
+    return text
+
+
+def file_path(text: str) -> str:
+    """A file name, ``-`` for a standard stream where the option allows it: not empty
+    (an empty name would be reported as the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty file name")
     return text
 
 

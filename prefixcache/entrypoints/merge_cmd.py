@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prefixcache.arg_types import positive_int
+from prefixcache.arg_types import file_path, positive_int
 
 DESCRIPTION = """\
 Merge request traces into one, in order of arrival: the traffic of several workloads
@@ -35,10 +35,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "merge", help="merge request traces into one, in order of arrival",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("traces", nargs="+", metavar="TRACE",
+    parser.add_argument("traces", nargs="+", type=file_path, metavar="TRACE",
                         help="trace files (JSON lines: Mooncake, Bailian or token-id format); "
                              "- reads one from standard input")
-    parser.add_argument("-o", "--output", default="-", metavar="FILE",
+    parser.add_argument("-o", "--output", default="-", type=file_path, metavar="FILE",
                         help="output file (default: standard output); it may be one of "
                              "the traces, which are read whole first")
     parser.add_argument("--max-requests", type=positive_int, metavar="N",

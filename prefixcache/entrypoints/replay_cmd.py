@@ -9,12 +9,26 @@ import os
 import stat
 import sys
 
-from prefixcache.arg_types import float_at_least, name_list, positive_float, positive_int
+from prefixcache.arg_types import (
+    file_path,
+    float_at_least,
+    int_in_range,
+    name_list,
+    positive_float,
+    positive_int,
+)
 
 # Llama-3-8B in fp16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_BLOCK_SIZE = 16
 STDOUT_PATH = "-"  # as --json's value
+# Bounds far past any real cache or model, so that no figure derived from them (GiB of
+# KV, a share of the working set in blocks) overflows a float. A block holds at most a
+# whole request's tokens.
+MAX_NUM_BLOCKS = 10**30
+MAX_WORKING_SET_PERCENT = 10_000
+MAX_KV_BYTES_PER_TOKEN = 1 << 30
+num_blocks_arg = int_in_range(1, MAX_NUM_BLOCKS)
 
 DESCRIPTION = """\
 Replay a request trace through prefixcache's real KV cache manager and report the prefix
@@ -69,9 +83,13 @@ def _capacity_list(text: str) -> list[int | float]:
     for part in (part.strip() for part in text.split(",")):
         if part.endswith("%"):
             share = positive_float(part[:-1].strip())
+            if share > MAX_WORKING_SET_PERCENT:
+                raise argparse.ArgumentTypeError(
+                    f"a share of the working set must be at most "
+                    f"{MAX_WORKING_SET_PERCENT:,}%, got {part}")
             capacities.append(share / 100)
         elif part:
-            capacities.append(positive_int(part))
+            capacities.append(num_blocks_arg(part))
     if not capacities:
         raise argparse.ArgumentTypeError(
             "give at least one capacity, e.g. 1000,2000,4000 or 2%,10%,50%")
@@ -83,6 +101,10 @@ def _plot_path(text: str) -> str:
     the options are read, not after the sweep)."""
     from prefixcache.sim.report import plot_format
 
+    if text == STDOUT_PATH:
+        raise argparse.ArgumentTypeError("give a file name: an image is not written to "
+                                         "standard output")
+    text = file_path(text)
     try:
         plot_format(text)
     except ValueError as exc:
@@ -119,20 +141,23 @@ def register(subparsers) -> None:
     from prefixcache.core import EVICTION_POLICIES
     from prefixcache.entrypoints.trace_options import add_trace_block_size
     from prefixcache.sim.replay import MIN_DECODE_TOKENS_PER_S
+    from prefixcache.sim.trace import MAX_REQUEST_TOKENS
     parser = subparsers.add_parser(
         "replay", help="replay a request trace: prefix-cache hit rate vs cache size and policy",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", help="trace file (JSON lines: Mooncake, Bailian or token-id "
-                                      "format); - reads it from standard input")
+    parser.add_argument("trace", type=file_path,
+                        help="trace file (JSON lines: Mooncake, Bailian or token-id format); "
+                             "- reads it from standard input")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--num-blocks", type=positive_int, metavar="N",
+    size.add_argument("--num-blocks", type=num_blocks_arg, metavar="N",
                       help="replay once with a cache of N blocks")
     size.add_argument("--sweep", type=_capacity_list, metavar="N1,N2,...",
                       help="replay at each capacity and print the hit-rate curve, with the "
                            "infinite-cache and Belady references; a capacity is a number "
                            "of blocks, or a share of the trace's working set (its distinct "
                            "full blocks) written like 5%%")
-    parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
+    parser.add_argument("--block-size", type=int_in_range(1, MAX_REQUEST_TOKENS),
+                        default=DEFAULT_BLOCK_SIZE,
                         metavar="B", help="tokens per block (default %(default)s); for a "
                                           "trace of hash ids, a divisor or a multiple of "
                                           "its blocks' size (512 tokens for Mooncake, 16 "
@@ -157,13 +182,13 @@ def register(subparsers) -> None:
                         help="--sweep without the (slower) Belady reference")
     parser.add_argument("--max-requests", type=positive_int, metavar="N",
                         help="replay only the first N requests")
-    parser.add_argument("--json", metavar="OUT",
+    parser.add_argument("--json", type=file_path, metavar="OUT",
                         help="also write the figures as JSON to OUT; - writes them to "
                              "standard output, and the table then goes to standard error")
     parser.add_argument("--plot", type=_plot_path, metavar="OUT",
                         help="with --sweep: draw the hit-rate curves to OUT; the format "
                              "follows the extension (png, pdf, svg, ...; png without one)")
-    parser.add_argument("--kv-bytes-per-token", type=positive_int,
+    parser.add_argument("--kv-bytes-per-token", type=int_in_range(1, MAX_KV_BYTES_PER_TOKEN),
                         default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
                         help="KV bytes per token, for GiB figures (default %(default)s: "
                              "Llama-3-8B in fp16)")
@@ -211,6 +236,25 @@ def _why_not_writable(path: str) -> str | None:
         return f"cannot write {path}: {exc.strerror or exc}"
     if not existed:
         os.unlink(os.path.realpath(path))
+    return None
+
+
+def _print_table(table: str, stream) -> str | None:
+    """Print the figures' table to ``stream``; why it could not be written (a full disk,
+    an I/O error), or None. A reader that went away is left to the ``prefixcache`` entry
+    point, which exits 141 quietly."""
+    from prefixcache.entrypoints.cli import discard_stdout
+
+    try:
+        print(table, file=stream)
+        stream.flush()  # a failing write of buffered output is reported here
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        if stream is sys.stdout:
+            discard_stdout()  # what is still buffered would fail again at exit
+        name = "standard output" if stream is sys.stdout else "standard error"
+        return f"cannot write the figures to {name}: {exc.strerror or exc}"
     return None
 
 
@@ -319,9 +363,7 @@ def run(args: argparse.Namespace) -> int:
                                decode_tokens_per_s=args.decode_tokens_per_s,
                                concurrency=args.concurrency, timeline=args.timeline,
                                progress=bar.update, jobs=args.jobs)
-            if report is not None:
-                print(format_sweep(result, args.block_size, args.kv_bytes_per_token),
-                      file=report)
+            table = format_sweep(result, args.block_size, args.kv_bytes_per_token)
             payload = result.to_dict()
         else:
             configs = [ReplayConfig(args.num_blocks, policy, **common)
@@ -329,12 +371,12 @@ def run(args: argparse.Namespace) -> int:
             with tqdm(total=len(args.policy) * num_requests, desc="replaying", unit="req",
                       disable=not show_progress) as bar:
                 results = replay_all(prepared, configs, bar.update, args.jobs)
-            if report is not None:
-                print("\n\n".join(format_replay(r, args.kv_bytes_per_token)
-                                  for r in results), file=report)
+            table = "\n\n".join(format_replay(r, args.kv_bytes_per_token) for r in results)
             payload = {"runs": [r.to_dict() for r in results]}
     except (ValueError, ReplayWorkerDied) as exc:
         return _error(str(exc))
+    if report is not None and (reason := _print_table(table, report)):
+        return _error(reason)
 
     payload = {"trace": trace.path, "num_requests": num_requests,
                "num_bad_lines": trace.num_bad_lines, "block_size": args.block_size,

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from prefixcache.arg_types import int_in_range, non_negative_int
+from prefixcache.arg_types import file_path, int_in_range, non_negative_int
 
 DESCRIPTION = """\
 Write a synthetic request trace in one of the shapes serving traffic takes, to replay
@@ -139,7 +139,7 @@ def register(subparsers) -> None:
     parser.add_argument("--num-requests", type=int_in_range(1, MAX_NUM_REQUESTS),
                         metavar="N", help=f"number of requests to write, 1 to "
                                           f"{MAX_NUM_REQUESTS:,} (required)")
-    parser.add_argument("-o", "--output", default="-", metavar="FILE",
+    parser.add_argument("-o", "--output", default="-", type=file_path, metavar="FILE",
                         help="output file (default: standard output)")
     parser.add_argument("--format", choices=TRACE_FORMATS, default="mooncake",
                         help="trace format (default %(default)s)")
