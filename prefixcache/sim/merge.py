@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixcache.sim.trace import Trace, TraceRequest
+from prefixcache.sim.trace import CHAT_ID_FIELDS, Trace, TraceRequest
 
 
 def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
@@ -68,13 +68,10 @@ def _moved(hash_ids: tuple[int, ...] | None, by: int) -> tuple[int, ...] | None:
     return tuple(block_id + by for block_id in hash_ids)
 
 
-_CHAT_ID_FIELDS = ("chat_id", "parent_chat_id")
-
-
 def _is_chat_id(key: str, value) -> bool:
     """Whether a session field is a chat id that moves: a non-negative integer (a root's
     parent, -1, is none)."""
-    return key in _CHAT_ID_FIELDS and type(value) is int and value >= 0
+    return key in CHAT_ID_FIELDS and type(value) is int and value >= 0
 
 
 def _largest_chat_id(request: TraceRequest) -> int:

@@ -152,15 +152,21 @@ def _timestamp(obj: dict, unit: str = "ms", ms_per_unit: int = 1) -> float | Non
             timestamp = math.inf
         if 0 <= timestamp < math.inf:
             return timestamp
+        if ms_per_unit > 1 and 0 <= value <= sys.float_info.max:  # finite, but not in ms
+            raise ValueError(f"'timestamp' {_brief(value)} {unit} is too large: in ms it "
+                             "is beyond the largest finite number")
     raise ValueError(f"'timestamp' must be a finite non-negative number of {unit}, "
                      f"got {_brief(value)}")
 
 
 def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
+    """A token-id line: ``values`` are its ``prompt_token_ids`` (``obj``, the line's
+    object), or the line itself, a bare list (``obj`` None)."""
+    name = "a list of token ids" if obj is None else "'prompt_token_ids'"
     if not isinstance(values, list) or not values:
-        raise ValueError("prompt_token_ids must be a non-empty list of integers")
+        raise ValueError(f"{name} must be a non-empty list of integers")
     if not all(_is_int(v) and 0 <= v < _TOKEN_ID_BOUND for v in values):
-        raise ValueError("prompt_token_ids must hold only non-negative integers below 2**63")
+        raise ValueError(f"{name} must hold only non-negative integers below 2**63")
     _check_num_tokens("prompt_token_ids", len(values))
     output_length = 0 if obj is None else _num_tokens(obj, "output_length", 0)
     timestamp = None if obj is None else _timestamp(obj)
@@ -171,6 +177,11 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
                         token_ids=array(typecode, values))
 
 
+# Hash ids and chat ids are bounded as token ids are: a merge adds offsets to them, and
+# JSON writers refuse integers of more than 4,300 digits.
+_ID_BOUND = _TOKEN_ID_BOUND
+#: A Bailian line's fields naming chats: its own and its parent's (-1 for a root).
+CHAT_ID_FIELDS = ("chat_id", "parent_chat_id")
 # The fields of a hash-id line that a replay reads; a Bailian line keeps its others.
 _HASH_ID_LINE_FIELDS = frozenset(("timestamp", "input_length", "output_length", "hash_ids"))
 
@@ -184,8 +195,9 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
     hash_ids = obj["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
-        raise ValueError("'hash_ids' must be a list of non-negative integers")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h < _ID_BOUND
+                                                 for h in hash_ids):
+        raise ValueError("'hash_ids' must be a list of non-negative integers below 2**63")
     expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
         # A Mooncake line may be a Bailian line that lost its chat_id, or name blocks of
@@ -206,6 +218,10 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     if not bailian:
         return TraceRequest(line_no, input_length, output_length, _timestamp(obj),
                             hash_ids=tuple(hash_ids), hash_block_size=block_size)
+    for key in CHAT_ID_FIELDS:  # kept as they are, but moved by a merge
+        value = obj.get(key)
+        if _is_int(value) and not -_ID_BOUND <= value < _ID_BOUND:
+            raise ValueError(f"{key!r} must be below 2**63, got {_brief(value)}")
     return TraceRequest(line_no, input_length, output_length, _timestamp(obj, "s", 1000),
                         hash_ids=tuple(hash_ids), hash_block_size=block_size,
                         session_fields=tuple((key, value) for key, value in obj.items()
@@ -219,12 +235,21 @@ def parse_line(text: str, line_no: int,
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # The column on the line itself: the decoder counts its line end (still in
+        # ``text``) as a line, and reports an error at the end of the text past it.
+        end = len(text)
+        while end and text[end - 1] in "\r\n":
+            end -= 1
+        raise ValueError(f"not valid JSON ({exc.msg} at column {min(exc.pos, end) + 1})"
+                         ) from None
     except RecursionError:
         # The decoder recurses per level of nesting; no request is nested deeper than a
         # few levels, so such a line is malformed, not a reason to stop the replay.
         raise ValueError("not valid JSON (nested too deeply)") from None
     if isinstance(obj, list):
+        if obj and isinstance(obj[0], dict):
+            raise ValueError("a JSON array of requests: a trace holds one request per line "
+                             "(JSON lines), not one array of them")
         return _parse_token_ids(obj, line_no, None)
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object or a list of token ids")
@@ -333,6 +358,8 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
         for line_no, line in enumerate(_universal_lines(lines), start=1):
             if max_requests is not None and len(trace.requests) >= max_requests:
                 break
+            if line_no == 1:
+                _check_not_compressed(line, path)
             try:
                 text = _decode(line, line_no)
                 if text.strip():
@@ -354,6 +381,25 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
                    f"{trace.first_bad_line})" if trace.num_bad_lines else "")
         raise TraceFormatError(f"{path}: no requests in the trace{skipped}")
     return trace
+
+
+# How compressed files begin, and the command that decompresses each to stdout.
+_COMPRESSED_STARTS = ((b"\x1f\x8b", "gzip", "gzip -dc"),
+                      (b"\x28\xb5\x2f\xfd", "zstd", "zstd -dc"),
+                      (b"\xfd7zXZ\x00", "xz", "xz -dc"),
+                      (b"BZh", "bzip2", "bzip2 -dc"),
+                      (b"PK\x03\x04", "zip", "unzip -p"))
+
+
+def _check_not_compressed(first_line: bytes | str, path: str) -> None:
+    """A :class:`TraceFormatError` saying how to decompress a trace whose first bytes are
+    a compressed file's (not a bad line to skip: every line would be)."""
+    if not isinstance(first_line, bytes):
+        return
+    for start, kind, command in _COMPRESSED_STARTS:
+        if first_line.startswith(start):
+            raise TraceFormatError(f"{path}: the file is {kind}-compressed: decompress it "
+                                   f"first ({command} FILE > FILE.jsonl)")
 
 
 def format_line(request: TraceRequest) -> str:

@@ -72,6 +72,17 @@ def test_token_id_formats(tmp_path):
      "'output_length' must be at most .* got an integer of 100 bits"),
     (f'{{"prompt_token_ids": [1], "output_length": {10**12}}}',
      "'output_length' must be at most 16,777,216 tokens"),
+    (f'{{"input_length": 10, "hash_ids": [{2**63}]}}', "'hash_ids' must .* below 2\\*\\*63"),
+    (f'{{"chat_id": {2**63}, "input_length": 10, "hash_ids": [1]}}',
+     "'chat_id' must be below 2\\*\\*63"),
+    (f'{{"chat_id": 1, "parent_chat_id": {-2**64}, "input_length": 10, "hash_ids": [1]}}',
+     "'parent_chat_id' must be below 2\\*\\*63, got an integer of 65 bits"),
+    ('{"chat_id": 1, "input_length": 10, "hash_ids": [1], "timestamp": 1e306}',
+     "'timestamp' 1e\\+306 s is too large: in ms"),
+    ('[{"input_length": 10, "hash_ids": [1]}, {"input_length": 10, "hash_ids": [2]}]',
+     "a JSON array of requests: a trace holds one request per line"),
+    ('[1, {"x": 2}]', "a list of token ids must hold only"),
+    ('{"prompt_token_ids": [1, "x"]}', "'prompt_token_ids' must hold only"),
 ])
 def test_bad_line_reasons(text, reason):
     with pytest.raises(ValueError, match=reason):
@@ -92,6 +103,40 @@ def test_skip_bad_lines_counts_them(tmp_path):
     assert trace.num_bad_lines == 2
     assert trace.first_bad_line.endswith("t.jsonl:2: not valid JSON (Expecting property name "
                                          "enclosed in double quotes at column 2)")
+
+
+def test_a_json_error_names_the_column_on_the_line(tmp_path):
+    line = '{"input_length": 512, "hash_ids": [1]'  # the closing brace is missing
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(TraceFormatError, match=f"at column {len(line) + 1}\\)"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("start,kind,command", [
+    (b"\x1f\x8b\x08\x00", "gzip", "gzip -dc"), (b"\x28\xb5\x2f\xfd\x00", "zstd", "zstd -dc"),
+    (b"\xfd7zXZ\x00\x00", "xz", "xz -dc"), (b"BZh91AY", "bzip2", "bzip2 -dc"),
+    (b"PK\x03\x04\x14", "zip", "unzip -p")])
+def test_a_compressed_trace_says_how_to_decompress_it(tmp_path, start, kind, command):
+    path = tmp_path / "t.jsonl.x"
+    path.write_bytes(start + b"\x00\xff garbage\n{}\n")
+    # Not a bad line to skip: every line of such a file would be one.
+    with pytest.raises(TraceFormatError, match=f"t\\.jsonl\\.x: the file is {kind}-compressed: "
+                                               f"decompress it first \\({command} FILE"):
+        load_trace(path, skip_bad_lines=True)
+
+
+def test_a_compressed_trace_is_read_once_decompressed(tmp_path):
+    import gzip
+    with MOONCAKE_TRACE_PATH.open() as source:
+        text = "".join(next(source) for _ in range(3))
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    with pytest.raises(TraceFormatError, match="gzip-compressed"):
+        load_trace(path)
+    plain = tmp_path / "t.jsonl"
+    plain.write_bytes(gzip.decompress(path.read_bytes()))
+    assert len(load_trace(plain).requests) == 3
 
 
 def test_missing_empty_and_binary_files(tmp_path):
