@@ -30,7 +30,8 @@ LRU at any capacity), and the left-out trace's figures under it are reported
 (``leave_one_out``).
 
     python benchmarks/eviction_suite.py [--num-requests 2000] [--seed 1]
-        [--families chat,rag,...] [--trace PATH] [--quick] [--policies lru,adaptive,...]
+        [--families chat,rag,...] [--trace PATH] [--trace-block-size N] [--skip-bad-lines]
+        [--quick] [--policies lru,adaptive,...]
         [--lofo-variants shadow-256,shadow-384,...] [--split-trace N]
         [--random-traces N] [--random-merges N] [--random-families chat,rag,...]
         [--candidates-alone]
@@ -40,7 +41,8 @@ LRU at any capacity), and the left-out trace's figures under it are reported
 ``--trace PATH`` measures another Mooncake- or Bailian-format trace (docs/trace-formats.md)
 in the shared one's place (named after its file: a trace of your own traffic, or one kept
 aside from tuning); ``--trace-block-size N`` reads its Mooncake lines' ids as N-token
-blocks, and its figures say which (``trace_block_size``).
+blocks (which must divide 512 tokens or be a multiple of them), and its figures say which
+(``trace_block_size``); ``--skip-bad-lines`` skips and counts its malformed lines.
 ``--families ''`` runs that trace alone and ``--trace ''`` skips it, so the traces can
 be measured by separate processes; ``--split-trace N`` measures that trace as ``N``
 consecutive parts in time (``shared-1/N`` ...), each replayed alone, to check on parts
@@ -99,7 +101,7 @@ from benchmarks.eviction_suite_output import (
     gap_figures,
     gaps_and_widest,
 )
-from prefixcache.arg_types import name_list, positive_int
+from prefixcache.arg_types import name_list, non_negative_int, positive_int
 from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.entrypoints.cli import run_with_exit_codes, stderr_to_null_if_closed
@@ -107,7 +109,6 @@ from prefixcache.entrypoints.trace_options import add_trace_block_size
 from prefixcache.sim.expand import TraceExpander
 from prefixcache.sim.merge import merge_traces
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
-from prefixcache.sim.replay import policy_names
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
 from prefixcache.sim.trace import Trace, TraceFormatError, load_trace
 from prefixcache.sim.workloads import (
@@ -120,6 +121,7 @@ from prefixcache.sim.workloads.random_parameters import random_parameters
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
     / "synthetic_trace.jsonl"
+BLOCK_SIZE = 512  # the traces' own: every figure is at Mooncake's block size
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
@@ -252,7 +254,7 @@ def evaluate(trace: Trace, fractions: tuple[float, ...], policies: list[str],
     """The trace's figures (module docstring). ``progress``, a tqdm-like bar, is given
     its ``total`` in requests replayed once the capacities are known, then updated as
     they are."""
-    prepared = prepare_trace(trace, TraceExpander(512))
+    prepared = prepare_trace(trace, TraceExpander(BLOCK_SIZE))
     working_set = working_set_blocks(prepared)
     capacities = capacities_from_spec(fractions, working_set)
     variants = [v for v in lofo_variants if v != REGISTERED]
@@ -386,7 +388,7 @@ def run(argv: list[str] | None) -> int:
                "--policies lru,2q,adaptive --lofo-variants '' --jobs 2")
     parser.add_argument("--num-requests", type=int, default=2000,
                         help="requests per generated trace (default 2000)")
-    parser.add_argument("--seed", type=int, default=1,
+    parser.add_argument("--seed", type=non_negative_int, default=1,
                         help="seed of the families' traces and of the random draws "
                              "(default 1)")
     parser.add_argument("--families", default=",".join(WORKLOAD_FAMILIES),
@@ -398,6 +400,8 @@ def run(argv: list[str] | None) -> int:
                              "families, named by its file (default: the shared trace, named "
                              "'shared'; '' skips it)")
     add_trace_block_size(parser)
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip (and count) malformed lines of --trace instead of failing")
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES),
                         help="the online eviction policies replayed, comma-separated "
                              "(default: every registered one; must include lru and "
@@ -471,10 +475,12 @@ def run(argv: list[str] | None) -> int:
     if args.shadow_entries is not None:
         EVICTION_POLICIES["adaptive"].shadow_entries = args.shadow_entries
     policies = name_list(args.policies)
-    unknown_policies = [p for p in policies if p not in policy_names()]
+    # Online policies only: Belady is measured on every trace anyway, and the dead-content
+    # diagnostics are no policy to rank.
+    unknown_policies = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown_policies:
-        parser.error(f"unknown policy {', '.join(unknown_policies)}; choose among "
-                     f"{', '.join(policy_names())}")
+        parser.error(f"unknown online policy {', '.join(unknown_policies)}; choose among "
+                     f"{', '.join(EVICTION_POLICIES)} (Belady is always measured)")
     if "lru" not in policies or "adaptive" not in policies:
         parser.error("--policies must include lru and adaptive")
     fractions = QUICK_FRACTIONS if args.quick else CAPACITY_FRACTIONS
@@ -483,14 +489,23 @@ def run(argv: list[str] | None) -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "
                      f"{', '.join(ADAPTIVE_VARIANTS)}")
+    size, trace_size = BLOCK_SIZE, args.trace_block_size
+    if args.trace and size % trace_size and trace_size % size:
+        parser.error(f"--trace-block-size {trace_size}: the suite replays at {size}-token "
+                     f"blocks, so the trace's ids must name blocks that divide {size} tokens "
+                     f"or are a multiple of {size}")
     shared = None
     if args.trace:
         try:  # before the families: a bad file should not wait for minutes of replays
-            shared = load_trace(Path(args.trace), mooncake_block_size=args.trace_block_size)
+            shared = load_trace(Path(args.trace), skip_bad_lines=args.skip_bad_lines,
+                                mooncake_block_size=args.trace_block_size)
         except TraceFormatError as exc:  # its message names the file (or directory)
             parser.error(f"--trace: {exc}")
         except OSError as exc:
             parser.error(f"--trace {args.trace}: {exc.strerror}")
+        if shared.num_bad_lines:
+            print(f"skipped {shared.num_bad_lines} malformed line(s); first: "
+                  f"{shared.first_bad_line}", file=sys.stderr)
         if args.split_trace > len(shared.requests):  # a part of none measures nothing
             parser.error(f"--split-trace {args.split_trace}: the trace has only "
                          f"{len(shared.requests)} requests, one part per request at most")

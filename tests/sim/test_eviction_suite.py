@@ -247,7 +247,13 @@ def test_combine_refuses_an_output_without_its_settings(tmp_path, chat_figures):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--policies", "lru,adaptive,nope"], "unknown policy nope"),
+    (["--policies", "lru,adaptive,nope"], "unknown online policy nope"),
+    (["--policies", "lru,adaptive,belady"], "unknown online policy belady"),
+    (["--policies", "lru,adaptive,dead-first"], "unknown online policy dead-first"),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--trace", "{five}", "--trace-block-size", "100"],
+     "--trace-block-size 100: the suite replays at 512-token blocks"),
+    (["--trace", "{bad}", "--families", ""], "bad.jsonl:6: not valid JSON"),
     (["--shadow-entries", "0"], "must be >= 1"),
     (["--combine", "{missing}"], "cannot read it"),
     (["--combine", "{no_figures}"], "no_figures.json: not an output of this script"),
@@ -274,8 +280,9 @@ def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypa
     with (tmp_path / "five.jsonl").open("w") as handle:
         write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
     write_output(tmp_path / "no_figures.json", {"a": {}})
+    (tmp_path / "bad.jsonl").write_text((tmp_path / "five.jsonl").read_text() + "{oops\n")
     argv = [arg.format(missing=tmp_path / "missing.json", empty=tmp_path / "empty.jsonl",
-                       five=tmp_path / "five.jsonl", tmp=tmp_path,
+                       five=tmp_path / "five.jsonl", tmp=tmp_path, bad=tmp_path / "bad.jsonl",
                        untimed=tmp_path / "untimed.jsonl",
                        no_figures=tmp_path / "no_figures.json") for arg in argv]
 
@@ -290,6 +297,23 @@ def test_bad_arguments_end_in_a_usage_error_before_any_replay(tmp_path, monkeypa
     assert err.startswith("usage:")
     assert " error: " in err.splitlines()[-1]
     assert message in err.splitlines()[-1]
+
+
+def test_skip_bad_lines_measures_the_trace_without_them(tmp_path, capsys):
+    path = tmp_path / "five.jsonl"
+    with path.open("w") as handle:
+        write_trace(generate_requests("chat", 3, 5), handle, "mooncake", 3)
+    _, clean, _ = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
+                                    "--lofo-variants", ""])
+    with path.open("a") as handle:
+        handle.write("{oops\n")
+    _, output, err = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
+                                       "--lofo-variants", "", "--skip-bad-lines"])
+    assert "skipped 1 malformed line(s); first: " in err and "five.jsonl:6:" in err
+    figures, clean_figures = output["traces"]["five"], clean["traces"]["five"]
+    for key in ("capacities_blocks", "policy_hit_rates", "belady_hit_rates",
+                "infinite_hit_rate"):
+        assert figures[key] == clean_figures[key]
 
 
 def test_a_trace_split_into_as_many_parts_as_requests_is_measured(tmp_path, capsys):
