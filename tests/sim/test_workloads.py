@@ -10,9 +10,11 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter, defaultdict
 
 import pytest
@@ -237,6 +239,39 @@ def test_an_interrupted_synth_leaves_the_previous_file_whole(tmp_path, monkeypat
     monkeypatch.setattr(workloads, "write_trace", real_write_trace)
     assert main(["synth", "chat", "--num-requests", "50", "-o", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 50
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
+def test_a_synth_ended_by_a_signal_leaves_the_previous_file_whole(tmp_path, signum):
+    """``timeout 60 prefixcache synth ...``, or a closed terminal: the process still ends
+    by that signal, but with its temporary file removed."""
+    out = tmp_path / "chat.jsonl"
+    out.write_text("the previous trace\n")
+    process = subprocess.Popen([sys.executable, "-m", "prefixcache", "synth", "chat",
+                                "--num-requests", "10000000", "-o", str(out)], cwd=REPO_ROOT,
+                               stderr=subprocess.DEVNULL)
+    try:
+        # Once the temporary file has grown, the trace is being written into it.
+        deadline = time.monotonic() + 60
+        while not any(p.name.endswith(".partial") and p.stat().st_size > 100_000
+                      for p in tmp_path.iterdir()):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(getattr(signal, signum))
+        assert process.wait(timeout=60) == -getattr(signal, signum)
+    finally:
+        process.kill()
+        process.wait()
+    assert out.read_text() == "the previous trace\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+
+
+def test_an_output_name_as_long_as_the_file_system_allows_is_written(tmp_path):
+    out = tmp_path / ("a" * 245 + ".jsonl")  # 251 bytes: the longest names are 255
+    assert main(["synth", "chat", "--num-requests", "5", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 5
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 
 def test_synth_through_a_symbolic_link_writes_the_file_it_names(tmp_path):
