@@ -47,8 +47,8 @@ def _param(text: str) -> tuple[str, str]:
 
 
 def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
-    """``--param`` pairs as typed values of the family's fields; ValueError if unknown
-    or of the wrong type (a value out of range is the workload's to refuse)."""
+    """``--param`` pairs as typed values of the family's fields; ValueError if unknown,
+    given twice or of the wrong type (a value out of range is the workload's to refuse)."""
     from prefixcache.sim.workloads import WORKLOAD_FAMILIES
     from prefixcache.sim.workloads.parameter_ranges import shortened
 
@@ -58,6 +58,8 @@ def _convert_params(family: str, pairs: list[tuple[str, str]]) -> dict:
         if name not in fields:
             raise ValueError(f"{family} has no parameter {shortened(name)}; its parameters: "
                              f"{', '.join(sorted(fields))}")
+        if name in params:  # which one was meant? Neither is dropped silently.
+            raise ValueError(f"--param {name} is given twice")
         default = getattr(WORKLOAD_FAMILIES[family](), name)
         if isinstance(default, bool) or not isinstance(default, (int, float)):
             raise ValueError(f"{name} cannot be set from the command line")
@@ -145,7 +147,8 @@ def register(subparsers) -> None:
                         help="trace format (default %(default)s)")
     parser.add_argument("--param", type=_param, action="append", default=[],
                         metavar="NAME=VALUE",
-                        help="override one of the family's numeric parameters; repeatable")
+                        help="override one of the family's numeric parameters; repeatable, once "
+                             "per parameter")
     parser.add_argument("--list-params", action="store_true",
                         help="print the family's parameters and defaults as JSON, and exit")
     parser.set_defaults(func=_run)

@@ -81,10 +81,12 @@ class TraceExpander:
                     f"{size} (nor is a multiple of it); choose a divisor such as 16, 32, "
                     "64, 128, 256 or 512"
                 )
+            fitting = sorted({part for part in (size // 4, size // 2)
+                              if part and size % part == 0} | {size, 2 * size})
             raise ValueError(
                 f"block size {block_size} neither divides nor is a multiple of the trace's "
                 f"{size}-token blocks (line {request.line_no}); choose such as "
-                f"{size // 2 or 1}, {size}, {2 * size} or 512"
+                f"{', '.join(map(str, fitting[:-1]))} or {fitting[-1]}"
             )
 
     # -- tokens -------------------------------------------------------------------------

@@ -135,8 +135,15 @@ def test_a_mooncake_id_and_a_bailian_id_of_one_number_share_nothing():
 def test_a_block_size_that_neither_divides_nor_is_a_multiple_of_16_is_refused():
     request = TraceRequest(3, 40, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=16)
     with pytest.raises(ValueError, match="neither divides nor is a multiple of the "
-                                         "trace's 16-token blocks \\(line 3\\)"):
+                                         "trace's 16-token blocks \\(line 3\\); choose such "
+                                         "as 4, 8, 16 or 32$"):
         TraceExpander(24).block_hashes(request)
+    # Every size suggested fits: for 100-token ids, 512 (a Mooncake multiple) would not.
+    odd = TraceRequest(4, 300, 0, 0.0, hash_ids=(1, 2, 3), hash_block_size=100)
+    with pytest.raises(ValueError, match="choose such as 25, 50, 100 or 200$"):
+        TraceExpander(512).block_hashes(odd)
+    for block_size in (25, 50, 100, 200):
+        TraceExpander(block_size).block_hashes(odd)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 48, 64])

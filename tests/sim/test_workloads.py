@@ -411,6 +411,8 @@ def test_synth_to_a_reader_that_goes_away_exits_quietly():
     (["synth", "mixture", "--num-requests", "5", "--param", "popularity_drift_every=14"],
      "mixture's rag: with num_documents=1,500, popularity_drift_every must be 0 or at "
      "least 15"),
+    (["synth", "rag", "--num-requests", "5", "--param", "zipf_s=1.2", "--param",
+      "zipf_s=0.9"], "--param zipf_s is given twice"),
 ])
 def test_synth_command_rejects_bad_input_clearly(argv, message, capsys):
     assert main(argv) == 2
