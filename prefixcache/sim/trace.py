@@ -222,10 +222,14 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
         value = obj.get(key)
         if _is_int(value) and not -_ID_BOUND <= value < _ID_BOUND:
             raise ValueError(f"{key!r} must be below 2**63, got {_brief(value)}")
+    session_fields = tuple((key, value) for key, value in obj.items()
+                           if key not in _HASH_ID_LINE_FIELDS)
+    for key, value in session_fields:  # written back as they are: as JSON, then
+        if type(value) is float and not math.isfinite(value):
+            raise ValueError(f"{key!r} is {value}: not a number standard JSON can hold")
     return TraceRequest(line_no, input_length, output_length, _timestamp(obj, "s", 1000),
                         hash_ids=tuple(hash_ids), hash_block_size=block_size,
-                        session_fields=tuple((key, value) for key, value in obj.items()
-                                             if key not in _HASH_ID_LINE_FIELDS))
+                        session_fields=session_fields)
 
 
 def parse_line(text: str, line_no: int,

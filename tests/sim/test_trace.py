@@ -82,6 +82,8 @@ def test_token_id_formats(tmp_path):
     ('[{"input_length": 10, "hash_ids": [1]}, {"input_length": 10, "hash_ids": [2]}]',
      "a JSON array of requests: a trace holds one request per line"),
     ('[1, {"x": 2}]', "a list of token ids must hold only"),
+    ('{"chat_id": 1, "turn": NaN, "input_length": 10, "hash_ids": [1]}',
+     "'turn' is nan: not a number standard JSON can hold"),
     ('{"prompt_token_ids": [1, "x"]}', "'prompt_token_ids' must hold only"),
 ])
 def test_bad_line_reasons(text, reason):
