@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixcache.sim.trace import CHAT_ID_FIELDS, Trace, TraceRequest
+from prefixcache.sim.trace import CHAT_ID_FIELDS, ID_BOUND, Trace, TraceRequest
 
 
 def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
@@ -30,7 +30,8 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
     """The requests of ``traces`` in order of arrival (module docstring), the first
     ``max_requests`` of them (all when None), numbered 1, 2, ... as the lines of the
     merged trace. Raises ValueError, naming the file and line, if a request has no
-    timestamp: there is then no order of arrival to merge by."""
+    timestamp (there is then no order of arrival to merge by), and naming the file if
+    moving its ids would take one to 2**64 (:data:`ID_BOUND`)."""
     for trace in traces:
         untimed = next((r for r in trace.requests if r.timestamp_ms is None), None)
         if untimed is not None:
@@ -47,9 +48,15 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
         moved_ids, moved_chats = (0, 0) if shared_ids else (id_offset, chat_offset)
         arrivals.extend((request.timestamp_ms - time_shift, request, moved_ids, moved_chats)
                         for request in trace.requests)
-        id_offset += 1 + max((max(r.hash_ids, default=-1) for r in trace.requests
-                              if r.hash_ids is not None), default=-1)
-        chat_offset += 1 + max((_largest_chat_id(r) for r in trace.requests), default=-1)
+        largest_id = max((max(r.hash_ids, default=-1) for r in trace.requests
+                          if r.hash_ids is not None), default=-1)
+        largest_chat = max((_largest_chat_id(r) for r in trace.requests), default=-1)
+        if max(moved_ids + largest_id, moved_chats + largest_chat) >= ID_BOUND:
+            raise ValueError(f"{trace.path}: its ids, moved past the earlier traces', would "
+                             "reach 2**64, past what a trace can name: merge with "
+                             "--shared-hash-ids, or number the traces' ids from 0")
+        id_offset += 1 + largest_id
+        chat_offset += 1 + largest_chat
     # A stable sort: equal timestamps keep the order the loop above appended them in.
     arrivals.sort(key=lambda arrival: arrival[0])
     if max_requests is not None:

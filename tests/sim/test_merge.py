@@ -83,6 +83,26 @@ def test_a_request_without_timestamp_is_named():
         merge_traces([Trace("a", [_mooncake(1, 0.0, (0,))]), untimed])
 
 
+def test_ids_as_large_as_64_bits_are_merged_until_moving_them_would_pass_2_to_the_64():
+    largest = 2**64 - 1  # a hash's external 64-bit form can be this
+    top = Trace("top.jsonl", [_mooncake(1, 0.0, (largest,))])
+    low = Trace("low.jsonl", [_mooncake(1, 1.0, (0, 1))])
+    (alone,) = merge_traces([top])  # the first trace's ids stay as they are
+    assert parse_line(format_line(alone), 1).hash_ids == (largest,)
+    assert [r.hash_ids for r in merge_traces([low, low])] == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match=r"top\.jsonl: its ids, moved past the earlier "
+                                         r"traces', would reach 2\*\*64"):
+        merge_traces([low, top])
+    with pytest.raises(ValueError, match=r"low\.jsonl: its ids"):
+        merge_traces([top, low])
+    assert [r.hash_ids for r in merge_traces([low, top], shared_ids=True)] == [
+        (largest,), (0, 1)]
+    chats = Trace("chats.jsonl", [TraceRequest(1, 16, 0, 0.0, hash_ids=(1,), hash_block_size=16,
+                                               session_fields=(("chat_id", largest),))])
+    with pytest.raises(ValueError, match=r"chats\.jsonl: its ids"):
+        merge_traces([chats, chats])
+
+
 @pytest.mark.parametrize("request_", [
     _mooncake(4, 12.0, (3, 4)),
     TraceRequest(4, 700, 0, 0.25, hash_ids=(1, 2)),
