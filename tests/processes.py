@@ -20,9 +20,30 @@ def run_with_reader_gone(args: list[str], timeout: float) -> subprocess.Complete
         return subprocess.run(
             [sys.executable, "-m", "prefixcache", *args],
             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=timeout,
-            cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+            cwd=REPO_ROOT, env=prefixcache_env())
     finally:
         os.close(write_end)
+
+
+def prefixcache_env(**changes: str | None) -> dict[str, str]:
+    """The environment a ``python -m prefixcache`` child runs in: this one, with the repo
+    importable, and each of ``changes`` set (None: removed)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def run_with_stderr_closed(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python -m prefixcache *args 2>&-``: started with file descriptor 2 closed;
+    stdout is captured as bytes."""
+    return subprocess.run([sys.executable, "-m", "prefixcache", *args], cwd=REPO_ROOT,
+                          env=prefixcache_env(), stdout=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(2),
+                          timeout=timeout, check=False)
 
 
 def free_loopback_ports(num_ports: int) -> list[int]:

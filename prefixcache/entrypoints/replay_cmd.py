@@ -239,14 +239,15 @@ def _why_not_writable(path: str) -> str | None:
     return None
 
 
-def _print_table(table: str, stream) -> str | None:
-    """Print the figures' table to ``stream``; why it could not be written (a full disk,
-    an I/O error), or None. A reader that went away is left to the ``prefixcache`` entry
-    point, which exits 141 quietly."""
+def _write_figures(text: str, stream) -> str | None:
+    """Write ``text`` (the table, or the JSON of ``--json -``) to ``stream``, standard
+    output or error; why it could not be written (a full disk, an I/O error), or None. A
+    reader that went away is left to the ``prefixcache`` entry point, which exits 141
+    quietly."""
     from prefixcache.entrypoints.cli import discard_stdout
 
     try:
-        print(table, file=stream)
+        stream.write(text)
         stream.flush()  # a failing write of buffered output is reported here
     except BrokenPipeError:
         raise
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
             payload = {"runs": [r.to_dict() for r in results]}
     except (ValueError, ReplayWorkerDied) as exc:
         return _error(str(exc))
-    if report is not None and (reason := _print_table(table, report)):
+    if report is not None and (reason := _write_figures(table + "\n", report)):
         return _error(reason)
 
     payload = {"trace": trace.path, "num_requests": num_requests,
@@ -389,10 +390,10 @@ def run(args: argparse.Namespace) -> int:
         json_text = args.json and json.dumps(payload, indent=1, allow_nan=False) + "\n"
     except ValueError as exc:
         return _error(f"--json: {exc}")
+    if args.json == STDOUT_PATH and (reason := _write_figures(json_text, sys.stdout)):
+        return _error(reason)
     try:
-        if args.json == STDOUT_PATH:
-            sys.stdout.write(json_text)
-        elif args.json:
+        if args.json and args.json != STDOUT_PATH:
             with open(args.json, "w", encoding="utf-8") as handle:
                 handle.write(json_text)
         if args.plot:

@@ -13,6 +13,7 @@ import pytest
 
 from prefixcache.entrypoints.cli import main
 from tests.data_paths import MOONCAKE_TRACE_PATH, REPO_ROOT
+from tests.processes import prefixcache_env, run_with_stderr_closed
 
 
 @pytest.fixture
@@ -24,21 +25,14 @@ def small_trace(tmp_path):
     return path
 
 
-def run_with_stderr_closed(args: list[str]) -> subprocess.CompletedProcess:
-    """``python -m prefixcache *args 2>&-``: started with file descriptor 2 closed."""
-    return subprocess.run([sys.executable, "-m", "prefixcache", *args], cwd=REPO_ROOT,
-                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                          preexec_fn=lambda: os.close(2), timeout=120, check=False)
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="closes a file descriptor in the child")
 def test_with_standard_error_closed_stdout_holds_only_the_data(small_trace):
-    merged = run_with_stderr_closed(["merge", str(small_trace), "--skip-bad-lines"])
+    merged = run_with_stderr_closed(["merge", str(small_trace), "--skip-bad-lines"], 120)
     assert merged.returncode == 0
     lines = merged.stdout.decode().splitlines()
     assert len(lines) == 5 and all("hash_ids" in json.loads(line) for line in lines)
 
-    synth = run_with_stderr_closed(["synth", "chat", "--num-requests", "3"])
+    synth = run_with_stderr_closed(["synth", "chat", "--num-requests", "3"], 120)
     assert synth.returncode == 0
     assert len(synth.stdout.decode().splitlines()) == 3
 
@@ -46,21 +40,27 @@ def test_with_standard_error_closed_stdout_holds_only_the_data(small_trace):
         handle.write("not json\n")
     replay = run_with_stderr_closed(["replay", str(small_trace), "--num-blocks", "40",
                                      "--block-size", "512", "--skip-bad-lines",
-                                     "--json", "-"])
+                                     "--json", "-"], 120)
     assert replay.returncode == 0
     assert json.loads(replay.stdout)["num_bad_lines"] == 1
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("size", [["--num-blocks", "40"], ["--sweep", "20,40", "--no-belady"]])
-def test_a_full_disk_under_stdout_is_a_one_line_error(small_trace, size):
+@pytest.mark.parametrize("options", [["--num-blocks", "40"],
+                                     ["--sweep", "20,40", "--no-belady"],
+                                     ["--num-blocks", "40", "--json", "-"]])
+def test_a_full_disk_under_stdout_is_a_one_line_error(small_trace, options):
+    # Buffered, as stdout is unless PYTHONUNBUFFERED says otherwise: the write that fails
+    # is then the final flush.
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "prefixcache", "replay", str(small_trace),
-                               "--block-size", "512", *size], cwd=REPO_ROOT, stdout=full,
-                              stderr=subprocess.PIPE, timeout=120, check=False)
+                               "--block-size", "512", *options], cwd=REPO_ROOT, stdout=full,
+                              stderr=subprocess.PIPE, env=prefixcache_env(PYTHONUNBUFFERED=None),
+                              timeout=120, check=False)
     assert done.returncode == 1
-    assert done.stderr.decode() == ("prefixcache replay: error: cannot write the figures to "
-                                    "standard output: No space left on device\n")
+    assert done.stderr.decode().endswith("prefixcache replay: error: cannot write the figures "
+                                         "to standard output: No space left on device\n")
+    assert "Traceback" not in done.stderr.decode()
 
 
 HUGE = "1" + "0" * 320
