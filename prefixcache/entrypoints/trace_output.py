@@ -15,7 +15,7 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from prefixcache.entrypoints.cli import discard_stdout
@@ -72,35 +72,32 @@ def write_to_file(path: str, write: TraceWriter) -> None:
     # The temporary name adds 18 bytes to the output's: cut a long one (a name may have
     # at most 255 bytes), at most 4 bytes a character.
     stem = name if len(os.fsencode(name)) <= _MAX_STEM_BYTES else name[:_MAX_STEM_BYTES // 4]
-    try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{stem}.", suffix=".partial",
-                                         dir=directory)
-    except OSError as exc:
-        if not (status is not None and _refused_by_directory(exc)
-                and os.access(path, os.W_OK)):
-            raise
-        with open(path, "w", encoding="utf-8") as handle:
-            write(handle)
-        return
-    try:
-        with _termination_raises(), open(fd, "w", encoding="utf-8") as handle:
-            if status is not None:
-                mode = stat.S_IMODE(status.st_mode)
-            else:  # mkstemp's file is private (0600); open() would have applied the umask
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask
-            with contextlib.suppress(OSError):  # a file system without modes
-                os.fchmod(handle.fileno(), mode)
-            write(handle)
-            handle.close()
+    with contextlib.ExitStack() as stack:
+        try:
+            fd, temporary = stack.enter_context(_temporary_file(directory, f".{stem}."))
+        except OSError as exc:
+            if not (status is not None and _refused_by_directory(exc)
+                    and os.access(path, os.W_OK)):
+                raise
+            with open(path, "w", encoding="utf-8") as handle:
+                write(handle)
+            return
+        try:
+            with open(fd, "w", encoding="utf-8") as handle:
+                if status is not None:
+                    mode = stat.S_IMODE(status.st_mode)
+                else:  # mkstemp's file is private (0600); open() would apply the umask
+                    umask = os.umask(0)
+                    os.umask(umask)
+                    mode = 0o666 & ~umask
+                with contextlib.suppress(OSError):  # a file system without modes
+                    os.fchmod(handle.fileno(), mode)
+                write(handle)
             os.replace(temporary, path)
-    except BaseException as exc:  # a Ctrl-C too: never leave a partial trace behind
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        if isinstance(exc, _Terminated):  # its own handler is back: end as it would have
-            os.kill(os.getpid(), exc.signum)
-        raise
+        except BaseException:  # a Ctrl-C too: never leave a partial trace behind
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
 
 
 _MAX_STEM_BYTES = 200
@@ -110,35 +107,48 @@ _TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGH
                              if hasattr(signal, name))
 
 
-class _Terminated(BaseException):
-    """A terminating signal arrived while a trace was being written."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 @contextlib.contextmanager
-def _termination_raises():
-    """While inside: each of :data:`_TERMINATING_SIGNALS` that would end the process (its
-    handler is the default) raises :class:`_Terminated` instead, so that cleanup runs;
-    the handlers are put back on the way out. Only the main thread can set handlers:
-    elsewhere, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+def _temporary_file(directory: str, prefix: str) -> Iterator[tuple[int, str]]:
+    """A new file ``directory/prefix*.partial``, as ``(fd, path)``, that no terminating
+    signal leaves behind: while inside, each of :data:`_TERMINATING_SIGNALS` whose handler
+    is the default (not ignored, as under ``nohup``, nor handled) first removes the file if
+    it is still there, then ends the process by that signal, as it would have. The
+    signals are held off while the file is made and while the default handlers are put
+    back, so that none finds the file unnamed or is lost. OSError if the file cannot be
+    made. Only the main thread can set handlers: elsewhere (and where signals cannot be
+    held off) the file is made and nothing else changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or not hasattr(signal, "pthread_sigmask")):
+        yield tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=directory)
         return
+    made: list[str] = []
 
-    def raise_terminated(signum, frame):
-        raise _Terminated(signum)
+    def remove_then_end(signum, frame):
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
 
-    replaced = {signum: signal.signal(signum, raise_terminated)
-                for signum in _TERMINATING_SIGNALS
-                if signal.getsignal(signum) is signal.SIG_DFL}
+    signals = [signum for signum in _TERMINATING_SIGNALS
+               if signal.getsignal(signum) is signal.SIG_DFL]
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        yield
+        fd, temporary = tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=directory)
+        made.append(temporary)
+        for signum in signals:
+            signal.signal(signum, remove_then_end)
     finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    try:
+        yield fd, temporary
+    finally:
+        # Holding the signals off runs any handler already due first (Python runs them
+        # once the call returns); one that comes later waits for the default handler.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        for signum in signals:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def _refused_by_directory(exc: OSError) -> bool:

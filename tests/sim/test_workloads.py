@@ -248,9 +248,13 @@ def test_a_synth_ended_by_a_signal_leaves_the_previous_file_whole(tmp_path, sign
     by that signal, but with its temporary file removed."""
     out = tmp_path / "chat.jsonl"
     out.write_text("the previous trace\n")
+    def default_handlers():  # as a shell gives them, whatever this test runs under (nohup)
+        for name in ("SIGTERM", "SIGHUP"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
     process = subprocess.Popen([sys.executable, "-m", "prefixcache", "synth", "chat",
                                 "--num-requests", "10000000", "-o", str(out)], cwd=REPO_ROOT,
-                               stderr=subprocess.DEVNULL)
+                               stderr=subprocess.DEVNULL, preexec_fn=default_handlers)
     try:
         # Once the temporary file has grown, the trace is being written into it.
         deadline = time.monotonic() + 60
@@ -265,6 +269,32 @@ def test_a_synth_ended_by_a_signal_leaves_the_previous_file_whole(tmp_path, sign
         process.wait()
     assert out.read_text() == "the previous trace\n"
     assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_signal_handlers_are_ours_only_while_a_trace_is_written(tmp_path):
+    """While the temporary file exists, SIGTERM's handler (the default before) removes it
+    first; SIGHUP, ignored here as under nohup, stays ignored; both are as they were
+    after."""
+    from prefixcache.entrypoints.trace_output import write_to_file
+
+    previous = {signum: signal.signal(signum, handler) for signum, handler in
+                ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_IGN))}
+    seen = {}
+
+    def write(handle):
+        handle.write("a line\n")
+        seen.update({signum: signal.getsignal(signum) for signum in previous})
+
+    try:
+        write_to_file(str(tmp_path / "out.jsonl"), write)
+        assert callable(seen[signal.SIGTERM]) and seen[signal.SIGHUP] is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert (tmp_path / "out.jsonl").read_text() == "a line\n"
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_an_output_name_as_long_as_the_file_system_allows_is_written(tmp_path):
