@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import sys
 from array import array
@@ -226,11 +227,23 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     session_fields = tuple((key, value) for key, value in obj.items()
                            if key not in _HASH_ID_LINE_FIELDS)
     for key, value in session_fields:  # written back as they are: as JSON, then
-        if type(value) is float and not math.isfinite(value):
-            raise ValueError(f"{key!r} is {value}: not a number standard JSON can hold")
+        if not _is_standard_json(value):
+            raise ValueError(f"{key!r} holds NaN or Infinity, which standard JSON cannot")
     return TraceRequest(line_no, input_length, output_length, _timestamp(obj, "s", 1000),
                         hash_ids=tuple(hash_ids), hash_block_size=block_size,
                         session_fields=session_fields)
+
+
+def _is_standard_json(value) -> bool:
+    """Whether ``value``, as read by ``json.loads``, holds no NaN or Infinity (which that
+    reader accepts and standard JSON has not)."""
+    if type(value) is float:
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(map(_is_standard_json, value))
+    if isinstance(value, dict):
+        return all(map(_is_standard_json, value.values()))
+    return True
 
 
 def parse_line(text: str, line_no: int,
@@ -364,7 +377,7 @@ def _read_trace(lines: Iterable[bytes | str], path: str, skip_bad_lines: bool,
             if max_requests is not None and len(trace.requests) >= max_requests:
                 break
             if line_no == 1:
-                _check_not_compressed(line, path)
+                _check_first_line(line, path)
             try:
                 text = _decode(line, line_no)
                 if text.strip():
@@ -396,15 +409,25 @@ _COMPRESSED_STARTS = ((b"\x1f\x8b", "gzip", "gzip -dc"),
                       (b"PK\x03\x04", "zip", "unzip -p"))
 
 
-def _check_not_compressed(first_line: bytes | str, path: str) -> None:
-    """A :class:`TraceFormatError` saying how to decompress a trace whose first bytes are
-    a compressed file's (not a bad line to skip: every line would be)."""
-    if not isinstance(first_line, bytes):
-        return
-    for start, kind, command in _COMPRESSED_STARTS:
-        if first_line.startswith(start):
-            raise TraceFormatError(f"{path}: the file is {kind}-compressed: decompress it "
-                                   f"first ({command} FILE > FILE.jsonl)")
+# How a file holding one JSON array of requests begins: its first request's object, on
+# the first line (``json.dump``) or the next (``json.dump(..., indent=...)``).
+_ARRAY_OF_OBJECTS_START = re.compile(r"\[\s*(\{|$)")
+
+
+def _check_first_line(first_line: bytes | str, path: str) -> None:
+    """A :class:`TraceFormatError` for a file that is no trace as a whole (not a bad line
+    to skip: every line would be): compressed (saying how to decompress it), or one JSON
+    array of requests rather than one request per line."""
+    if isinstance(first_line, bytes):
+        for start, kind, command in _COMPRESSED_STARTS:
+            if first_line.startswith(start):
+                raise TraceFormatError(f"{path}: the file is {kind}-compressed: decompress "
+                                       f"it first ({command} FILE > FILE.jsonl)")
+        first_line = first_line.decode("utf-8", "replace")
+    if _ARRAY_OF_OBJECTS_START.match(first_line.lstrip(_BYTE_ORDER_MARK).strip()):
+        raise TraceFormatError(f"{path}: the file is one JSON array of requests; a trace "
+                               "holds one request per line (JSON lines): convert it, e.g. "
+                               "jq -c '.[]' FILE > FILE.jsonl")
 
 
 def format_line(request: TraceRequest) -> str:

@@ -83,7 +83,9 @@ def test_token_id_formats(tmp_path):
      "a JSON array of requests: a trace holds one request per line"),
     ('[1, {"x": 2}]', "a list of token ids must hold only"),
     ('{"chat_id": 1, "turn": NaN, "input_length": 10, "hash_ids": [1]}',
-     "'turn' is nan: not a number standard JSON can hold"),
+     "'turn' holds NaN or Infinity, which standard JSON cannot"),
+    ('{"chat_id": 1, "meta": {"a": [1, -Infinity]}, "input_length": 10, "hash_ids": [1]}',
+     "'meta' holds NaN or Infinity"),
     ('{"prompt_token_ids": [1, "x"]}', "'prompt_token_ids' must hold only"),
 ])
 def test_bad_line_reasons(text, reason):
@@ -126,6 +128,19 @@ def test_a_compressed_trace_says_how_to_decompress_it(tmp_path, start, kind, com
     with pytest.raises(TraceFormatError, match=f"t\\.jsonl\\.x: the file is {kind}-compressed: "
                                                f"decompress it first \\({command} FILE"):
         load_trace(path, skip_bad_lines=True)
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_trace_saved_as_one_json_array_says_how_to_convert_it(tmp_path, indent):
+    requests = [{"input_length": 10, "hash_ids": [1]}, {"input_length": 10, "hash_ids": [2]}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(requests, indent=indent) + "\n")
+    # Not a bad line to skip: every line of the file would be one.
+    with pytest.raises(TraceFormatError, match=r"t\.json: the file is one JSON array of "
+                                               r"requests; .* jq -c '\.\[\]' FILE"):
+        load_trace(path, skip_bad_lines=True)
+    path.write_text("".join(json.dumps(request) + "\n" for request in requests))
+    assert len(load_trace(path).requests) == 2
 
 
 def test_a_compressed_trace_is_read_once_decompressed(tmp_path):
