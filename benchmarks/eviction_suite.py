@@ -106,11 +106,11 @@ from prefixcache.core import EVICTION_POLICIES
 from prefixcache.core.eviction.adaptive import CANDIDATES, Candidate
 from prefixcache.entrypoints.cli import run_with_exit_codes, stderr_to_null_if_closed
 from prefixcache.entrypoints.trace_options import add_trace_block_size
-from prefixcache.sim.expand import TraceExpander
+from prefixcache.sim.expand import TraceExpander, block_sizes_fit
 from prefixcache.sim.merge import merge_traces
 from prefixcache.sim.prepared import PreparedTrace, prepare_trace
 from prefixcache.sim.sweep import capacities_from_spec, sweep, working_set_blocks
-from prefixcache.sim.trace import Trace, TraceFormatError, load_trace
+from prefixcache.sim.trace import MOONCAKE_BLOCK_SIZE, Trace, TraceFormatError, load_trace
 from prefixcache.sim.workloads import (
     MAX_NUM_REQUESTS,
     WORKLOAD_FAMILIES,
@@ -121,7 +121,7 @@ from prefixcache.sim.workloads.random_parameters import random_parameters
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" \
     / "synthetic_trace.jsonl"
-BLOCK_SIZE = 512  # the traces' own: every figure is at Mooncake's block size
+BLOCK_SIZE = MOONCAKE_BLOCK_SIZE  # the traces' own: every figure is at this block size
 CAPACITY_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.05, 0.2, 0.5)
 
@@ -489,11 +489,10 @@ def run(argv: list[str] | None) -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose among "
                      f"{', '.join(ADAPTIVE_VARIANTS)}")
-    size, trace_size = BLOCK_SIZE, args.trace_block_size
-    if args.trace and size % trace_size and trace_size % size:
-        parser.error(f"--trace-block-size {trace_size}: the suite replays at {size}-token "
-                     f"blocks, so the trace's ids must name blocks that divide {size} tokens "
-                     f"or are a multiple of {size}")
+    if args.trace and not block_sizes_fit(BLOCK_SIZE, args.trace_block_size):
+        parser.error(f"--trace-block-size {args.trace_block_size}: the suite replays at "
+                     f"{BLOCK_SIZE}-token blocks, so the trace's ids must name blocks that "
+                     f"divide {BLOCK_SIZE} tokens or are a multiple of {BLOCK_SIZE}")
     shared = None
     if args.trace:
         try:  # before the families: a bad file should not wait for minutes of replays
@@ -503,9 +502,8 @@ def run(argv: list[str] | None) -> int:
             parser.error(f"--trace: {exc}")
         except OSError as exc:
             parser.error(f"--trace {args.trace}: {exc.strerror}")
-        if shared.num_bad_lines:
-            print(f"skipped {shared.num_bad_lines} malformed line(s); first: "
-                  f"{shared.first_bad_line}", file=sys.stderr)
+        if note := shared.skipped_lines_note():
+            print(note, file=sys.stderr)
         if args.split_trace > len(shared.requests):  # a part of none measures nothing
             parser.error(f"--split-trace {args.split_trace}: the trace has only "
                          f"{len(shared.requests)} requests, one part per request at most")
@@ -549,11 +547,12 @@ def run(argv: list[str] | None) -> int:
             for part, requests in enumerate(split_in_time(shared.requests, args.split_trace), 1)]
         for part_name, trace in parts:
             traces[part_name] = {"trace_block_size": args.trace_block_size,
+                                 "num_bad_lines": shared.num_bad_lines,
                                  **measure(part_name, trace)}
     output = {
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
-        "block_size": 512,
+        "block_size": BLOCK_SIZE,
         "mode": mode.description,
         "seed": args.seed,
         "capacity_fractions_of_working_set": fractions,

@@ -89,9 +89,8 @@ def run(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         return _error(str(exc))
     for trace in traces:
-        if trace.num_bad_lines:
-            print(f"skipped {trace.num_bad_lines} malformed line(s) of {trace.path}; "
-                  f"first: {trace.first_bad_line}", file=sys.stderr)
+        if note := trace.skipped_lines_note():
+            print(note, file=sys.stderr)
     try:
         requests = merge_traces(traces, shared_ids=args.shared_hash_ids,
                                 align_starts=args.align_starts,

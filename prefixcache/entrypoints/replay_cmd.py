@@ -332,9 +332,8 @@ def run(args: argparse.Namespace) -> int:
                                mooncake_block_size=args.trace_block_size)
     except TraceFormatError as exc:
         return _error(str(exc))
-    if trace.num_bad_lines:
-        print(f"skipped {trace.num_bad_lines} malformed line(s); first: {trace.first_bad_line}",
-              file=sys.stderr)
+    if note := trace.skipped_lines_note():
+        print(note, file=sys.stderr)
     if args.timeline and not trace.has_timestamps:
         return _error("--timeline needs a 'timestamp' on every request of the trace")
 

@@ -44,6 +44,13 @@ def _uint16_to_list(data: bytes) -> list[int]:
     return array("H", data).tolist()
 
 
+def block_sizes_fit(block_size: int, trace_block_size: int) -> bool:
+    """Whether a trace's hash ids of ``trace_block_size`` tokens expand into blocks of
+    ``block_size``: one size divides the other (each id is then split, or whole ids are
+    joined)."""
+    return not (trace_block_size % block_size and block_size % trace_block_size)
+
+
 class TraceExpander:
     """Token ids and block hashes of trace requests for one block size and hash config.
 
@@ -74,7 +81,7 @@ class TraceExpander:
         if request.hash_ids is None:
             return
         size, block_size = request.hash_block_size, self.block_size
-        if size % block_size and block_size % size:
+        if not block_sizes_fit(block_size, size):
             if size == MOONCAKE_BLOCK_SIZE:
                 raise ValueError(
                     f"block size {block_size} does not divide the Mooncake block size "

@@ -109,6 +109,13 @@ class Trace:
     def has_timestamps(self) -> bool:
         return all(request.timestamp_ms is not None for request in self.requests)
 
+    def skipped_lines_note(self) -> str | None:
+        """What a command says on stderr about the lines it skipped, or None if none."""
+        if not self.num_bad_lines:
+            return None
+        return (f"skipped {self.num_bad_lines} malformed line(s) of {self.path}; first: "
+                f"{self.first_bad_line}")
+
 
 def _is_int(value) -> bool:
     return type(value) is int  # bool is an int subclass but never a valid length or id

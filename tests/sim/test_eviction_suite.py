@@ -309,8 +309,9 @@ def test_skip_bad_lines_measures_the_trace_without_them(tmp_path, capsys):
         handle.write("{oops\n")
     _, output, err = run_main(capsys, ["--families", "", "--trace", str(path), "--quick",
                                        "--lofo-variants", "", "--skip-bad-lines"])
-    assert "skipped 1 malformed line(s); first: " in err and "five.jsonl:6:" in err
+    assert f"skipped 1 malformed line(s) of {path}; first: {path}:6:" in err
     figures, clean_figures = output["traces"]["five"], clean["traces"]["five"]
+    assert (figures["num_bad_lines"], clean_figures["num_bad_lines"]) == (1, 0)
     for key in ("capacities_blocks", "policy_hit_rates", "belady_hit_rates",
                 "infinite_hit_rate"):
         assert figures[key] == clean_figures[key]
