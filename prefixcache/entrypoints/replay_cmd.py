@@ -23,8 +23,8 @@ DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_BLOCK_SIZE = 16
 STDOUT_PATH = "-"  # as --json's value
 # Bounds far past any real cache or model, so that no figure derived from them (GiB of
-# KV, a share of the working set in blocks) overflows a float. A block holds at most a
-# whole request's tokens.
+# KV, a share of the working set in blocks) overflows a float. (--block-size is bounded
+# by a request's token limit: a larger block could never fill.)
 MAX_NUM_BLOCKS = 10**30
 MAX_WORKING_SET_PERCENT = 10_000
 MAX_KV_BYTES_PER_TOKEN = 1 << 30
@@ -150,15 +150,17 @@ def register(subparsers) -> None:
                              "- reads it from standard input")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-blocks", type=num_blocks_arg, metavar="N",
-                      help="replay once with a cache of N blocks")
+                      help="replay once with a cache of N blocks (at least 1)")
     size.add_argument("--sweep", type=_capacity_list, metavar="N1,N2,...",
                       help="replay at each capacity and print the hit-rate curve, with the "
                            "infinite-cache and Belady references; a capacity is a number "
                            "of blocks, or a share of the trace's working set (its distinct "
-                           "full blocks) written like 5%%")
+                           "full blocks) written like 5%% (at most "
+                           f"{MAX_WORKING_SET_PERCENT:,}%%)")
     parser.add_argument("--block-size", type=int_in_range(1, MAX_REQUEST_TOKENS),
                         default=DEFAULT_BLOCK_SIZE,
-                        metavar="B", help="tokens per block (default %(default)s); for a "
+                        metavar="B", help="tokens per block (default %(default)s, at most "
+                                          f"{MAX_REQUEST_TOKENS:,}); for a "
                                           "trace of hash ids, a divisor or a multiple of "
                                           "its blocks' size (512 tokens for Mooncake, 16 "
                                           "for Bailian)")
@@ -191,7 +193,7 @@ def register(subparsers) -> None:
     parser.add_argument("--kv-bytes-per-token", type=int_in_range(1, MAX_KV_BYTES_PER_TOKEN),
                         default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="X",
                         help="KV bytes per token, for GiB figures (default %(default)s: "
-                             "Llama-3-8B in fp16)")
+                             "Llama-3-8B in fp16; at most 1 GiB)")
     add_trace_block_size(parser)
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) malformed trace lines instead of failing")

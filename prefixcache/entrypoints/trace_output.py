@@ -22,6 +22,10 @@ from prefixcache.entrypoints.cli import discard_stdout
 
 TraceWriter = Callable[[TextIO], None]
 
+# Bytes of an output's name kept in its temporary file's name, which adds 18 more: a name
+# may have at most 255.
+_MAX_STEM_BYTES = 200
+
 
 def write_to_stdout(write: TraceWriter, command: str) -> int:
     """Write the trace to standard output: 0, or 1 with a one-line error naming
@@ -69,8 +73,7 @@ def write_to_file(path: str, write: TraceWriter) -> None:
     # replace the link with a regular file.
     path = os.path.realpath(path)
     directory, name = os.path.split(path)
-    # The temporary name adds 18 bytes to the output's: cut a long one (a name may have
-    # at most 255 bytes), at most 4 bytes a character.
+    # A long name is cut for the temporary one, at most 4 bytes a character.
     stem = name if len(os.fsencode(name)) <= _MAX_STEM_BYTES else name[:_MAX_STEM_BYTES // 4]
     with contextlib.ExitStack() as stack:
         try:
@@ -100,7 +103,6 @@ def write_to_file(path: str, write: TraceWriter) -> None:
             raise
 
 
-_MAX_STEM_BYTES = 200
 # Signals that end a process by default and that a user or a supervisor sends to stop a
 # command (``timeout``, a closed terminal).
 _TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
