@@ -204,8 +204,8 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
     hash_ids = obj["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h < ID_BOUND
-                                                 for h in hash_ids):
+    if (not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids)
+            or (hash_ids and max(hash_ids) >= ID_BOUND)):
         raise ValueError("'hash_ids' must be a list of non-negative integers below 2**64")
     expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
