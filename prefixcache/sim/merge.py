@@ -21,7 +21,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from prefixcache.sim.trace import CHAT_ID_FIELDS, ID_BOUND, Trace, TraceRequest
+from prefixcache.sim.trace import Trace, TraceRequest
+
+#: Ids a merged trace names, hash ids and chat ids, are below this: 64-bit unsigned, as a
+#: hash's external form (``block_hash_to_int64``) is. (A trace read may name larger ones:
+#: a replay takes any, but moving them on could go on without end.)
+ID_BOUND = 1 << 64
+#: A Bailian line's fields naming chats: its own and its parent's (-1 for a root).
+CHAT_ID_FIELDS = ("chat_id", "parent_chat_id")
 
 
 def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
@@ -52,9 +59,12 @@ def merge_traces(traces: Sequence[Trace], *, shared_ids: bool = False,
                           if r.hash_ids is not None), default=-1)
         largest_chat = max((_largest_chat_id(r) for r in trace.requests), default=-1)
         if max(moved_ids + largest_id, moved_chats + largest_chat) >= ID_BOUND:
+            if not (moved_ids or moved_chats):
+                raise ValueError(f"{trace.path}: it names ids of 2**64 or more; a merged "
+                                 "trace names ids below 2**64")
             raise ValueError(f"{trace.path}: its ids, moved past the earlier traces', would "
-                             "reach 2**64, past what a trace can name: merge with "
-                             "--shared-hash-ids, or number the traces' ids from 0")
+                             "reach 2**64 or more, past what a merged trace names: merge "
+                             "with --shared-hash-ids, or number the traces' ids from 0")
         id_offset += 1 + largest_id
         chat_offset += 1 + largest_chat
     # A stable sort: equal timestamps keep the order the loop above appended them in.

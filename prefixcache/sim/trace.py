@@ -185,12 +185,6 @@ def _parse_token_ids(values, line_no: int, obj: dict | None) -> TraceRequest:
                         token_ids=array(typecode, values))
 
 
-#: Hash ids and chat ids are below this: 64-bit unsigned, as a hash's external form
-#: (``block_hash_to_int64``) is. A merge moves ids past a trace's largest, and must keep
-#: them below it too.
-ID_BOUND = 1 << 64
-#: A Bailian line's fields naming chats: its own and its parent's (-1 for a root).
-CHAT_ID_FIELDS = ("chat_id", "parent_chat_id")
 # The fields of a hash-id line that a replay reads; a Bailian line keeps its others.
 _HASH_ID_LINE_FIELDS = frozenset(("timestamp", "input_length", "output_length", "hash_ids"))
 
@@ -204,9 +198,8 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     if input_length < 1:
         raise ValueError("'input_length' must be at least 1")
     hash_ids = obj["hash_ids"]
-    if (not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids)
-            or (hash_ids and max(hash_ids) >= ID_BOUND)):
-        raise ValueError("'hash_ids' must be a list of non-negative integers below 2**64")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
+        raise ValueError("'hash_ids' must be a list of non-negative integers")
     expected = cdiv(input_length, block_size)
     if len(hash_ids) != expected:
         # A Mooncake line may be a Bailian line that lost its chat_id, or name blocks of
@@ -227,10 +220,6 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
     if not bailian:
         return TraceRequest(line_no, input_length, output_length, _timestamp(obj),
                             hash_ids=tuple(hash_ids), hash_block_size=block_size)
-    for key in CHAT_ID_FIELDS:  # kept as they are, but moved by a merge
-        value = obj.get(key)
-        if _is_int(value) and value >= ID_BOUND:
-            raise ValueError(f"{key!r} must be below 2**64, got {_brief(value)}")
     session_fields = tuple((key, value) for key, value in obj.items()
                            if key not in _HASH_ID_LINE_FIELDS)
     for key, value in session_fields:  # written back as they are: as JSON, then

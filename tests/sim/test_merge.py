@@ -91,7 +91,7 @@ def test_ids_as_large_as_64_bits_are_merged_until_moving_them_would_pass_2_to_th
     assert parse_line(format_line(alone), 1).hash_ids == (largest,)
     assert [r.hash_ids for r in merge_traces([low, low])] == [(0, 1), (2, 3)]
     with pytest.raises(ValueError, match=r"top\.jsonl: its ids, moved past the earlier "
-                                         r"traces', would reach 2\*\*64"):
+                                         r"traces', would reach 2\*\*64 or more"):
         merge_traces([low, top])
     with pytest.raises(ValueError, match=r"low\.jsonl: its ids"):
         merge_traces([top, low])
@@ -101,6 +101,11 @@ def test_ids_as_large_as_64_bits_are_merged_until_moving_them_would_pass_2_to_th
                                                session_fields=(("chat_id", largest),))])
     with pytest.raises(ValueError, match=r"chats\.jsonl: its ids"):
         merge_traces([chats, chats])
+    # A trace may name larger ids (a replay takes them), but a merge does not write them.
+    huge = parse_line(json.dumps({"timestamp": 0, "input_length": 10, "hash_ids": [2**70]}), 1)
+    assert huge.hash_ids == (2**70,)
+    with pytest.raises(ValueError, match=r"huge\.jsonl: it names ids of 2\*\*64 or more"):
+        merge_traces([Trace("huge.jsonl", [huge])], shared_ids=True)
 
 
 @pytest.mark.parametrize("request_", [
