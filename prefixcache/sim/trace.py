@@ -208,7 +208,8 @@ def _parse_hash_ids(obj: dict, line_no: int, bailian: bool,
             hint = ""
         elif (block_size != BAILIAN_BLOCK_SIZE
               and len(hash_ids) == cdiv(input_length, BAILIAN_BLOCK_SIZE)):
-            hint = "; a Bailian line (16-token blocks) has a 'chat_id'"
+            hint = ("; a Bailian line (16-token blocks) has a 'chat_id', and a trace in "
+                    "this format of 16-token ids needs --trace-block-size 16")
         else:
             hint = ("; if the trace's ids name blocks of another size, give that size "
                     "(--trace-block-size)")

@@ -85,7 +85,8 @@ def test_a_bailian_line_is_read_in_its_own_units():
                                          "number of s"),
     # A Bailian line that lost its chat_id: the error says what it looks like.
     ({"timestamp": 0, "input_length": 40, "hash_ids": [1, 2, 3]},
-     "expected 1 .* a Bailian line \\(16-token blocks\\) has a 'chat_id'"),
+     "expected 1 .* a Bailian line \\(16-token blocks\\) has a 'chat_id', and a trace in "
+     "this format of 16-token ids needs --trace-block-size 16"),
 ])
 def test_bad_bailian_lines_say_what_is_wrong(line, reason):
     with pytest.raises(ValueError, match=reason):
