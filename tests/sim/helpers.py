@@ -35,6 +35,14 @@ def prepared_prefix(num_requests: int, block_size: int = 512,
                          reserve_decode_slots=reserve_decode_slots)
 
 
+def write_trace_head(path: Path, num_requests: int) -> Path:
+    """The first ``num_requests`` lines of the Mooncake trace in data/, written to
+    ``path``."""
+    with MOONCAKE_TRACE_PATH.open() as source:
+        path.write_text("".join(next(source) for _ in range(num_requests)))
+    return path
+
+
 def write_lines(path: Path, objects) -> Path:
     path.write_text("".join(
         (obj if isinstance(obj, str) else json.dumps(obj)) + "\n" for obj in objects))

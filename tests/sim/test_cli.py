@@ -19,18 +19,14 @@ from prefixcache.entrypoints.cli import main
 from prefixcache.sim import parallel_replays
 from prefixcache.sim.parallel_replays import can_fork
 from prefixcache.sim.trace import MAX_REQUEST_TOKENS
-from tests.data_paths import MOONCAKE_TRACE_PATH
 from tests.processes import run_with_reader_gone
-from tests.sim.helpers import write_lines
+from tests.sim.helpers import write_lines, write_trace_head
 
 
 @pytest.fixture
 def small_trace(tmp_path):
     """The first 200 requests of the Mooncake trace in data/."""
-    path = tmp_path / "head.jsonl"
-    with MOONCAKE_TRACE_PATH.open() as source:
-        path.write_text("".join(next(source) for _ in range(200)))
-    return path
+    return write_trace_head(tmp_path / "head.jsonl", 200)
 
 
 def replay_to_json(trace, tmp_path, num_blocks: int, policies: str) -> dict:

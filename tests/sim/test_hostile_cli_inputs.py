@@ -12,17 +12,15 @@ import sys
 import pytest
 
 from prefixcache.entrypoints.cli import main
-from tests.data_paths import MOONCAKE_TRACE_PATH, REPO_ROOT
+from tests.data_paths import REPO_ROOT
 from tests.processes import prefixcache_env, run_with_stderr_closed
+from tests.sim.helpers import write_trace_head
 
 
 @pytest.fixture
 def small_trace(tmp_path):
     """The first 5 requests of the Mooncake trace in data/."""
-    path = tmp_path / "head.jsonl"
-    with MOONCAKE_TRACE_PATH.open() as source:
-        path.write_text("".join(next(source) for _ in range(5)))
-    return path
+    return write_trace_head(tmp_path / "head.jsonl", 5)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="closes a file descriptor in the child")
