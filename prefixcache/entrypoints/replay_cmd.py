@@ -158,12 +158,11 @@ def register(subparsers) -> None:
                            "full blocks) written like 5%% (at most "
                            f"{MAX_WORKING_SET_PERCENT:,}%%)")
     parser.add_argument("--block-size", type=int_in_range(1, MAX_REQUEST_TOKENS),
-                        default=DEFAULT_BLOCK_SIZE,
-                        metavar="B", help="tokens per block (default %(default)s, at most "
-                                          f"{MAX_REQUEST_TOKENS:,}); for a "
-                                          "trace of hash ids, a divisor or a multiple of "
-                                          "its blocks' size (512 tokens for Mooncake, 16 "
-                                          "for Bailian)")
+                        default=DEFAULT_BLOCK_SIZE, metavar="B",
+                        help="tokens per block (default %(default)s, at most "
+                             f"{MAX_REQUEST_TOKENS:,}); for a trace of hash ids, a divisor "
+                             "or a multiple of its blocks' size (512 tokens for Mooncake, "
+                             "16 for Bailian)")
     parser.add_argument("--policy", type=_policy_list, default=["lru"], metavar="P[,P...]",
                         help=f"eviction policies: {', '.join(EVICTION_POLICIES)} (lru "
                              "is the default), or 'online' for all of these; offline: belady, "

@@ -409,19 +409,22 @@ _COMPRESSED_STARTS = ((b"\x1f\x8b", "gzip", "gzip -dc"),
 # How a file holding one JSON array of requests begins: its first request's object, on
 # the first line (``json.dump``) or the next (``json.dump(..., indent=...)``).
 _ARRAY_OF_OBJECTS_START = re.compile(r"\[\s*(\{|$)")
+_FIRST_LINE_HEAD = 256
 
 
 def _check_first_line(first_line: bytes | str, path: str) -> None:
     """A :class:`TraceFormatError` for a file that is no trace as a whole (not a bad line
     to skip: every line would be): compressed (saying how to decompress it), or one JSON
     array of requests rather than one request per line."""
-    if isinstance(first_line, bytes):
+    # Its start is enough (a token-id line can be hundreds of megabytes: not copied whole).
+    head = first_line[:_FIRST_LINE_HEAD]
+    if isinstance(head, bytes):
         for start, kind, command in _COMPRESSED_STARTS:
-            if first_line.startswith(start):
+            if head.startswith(start):
                 raise TraceFormatError(f"{path}: the file is {kind}-compressed: decompress "
                                        f"it first ({command} FILE > FILE.jsonl)")
-        first_line = first_line.decode("utf-8", "replace")
-    if _ARRAY_OF_OBJECTS_START.match(first_line.lstrip(_BYTE_ORDER_MARK).strip()):
+        head = head.decode("utf-8", "replace")
+    if _ARRAY_OF_OBJECTS_START.match(head.lstrip(_BYTE_ORDER_MARK).strip()):
         raise TraceFormatError(f"{path}: the file is one JSON array of requests; a trace "
                                "holds one request per line (JSON lines): convert it, e.g. "
                                "jq -c '.[]' FILE > FILE.jsonl")
