@@ -513,7 +513,7 @@ def run(argv: list[str] | None) -> int:
 
     # A bar per trace on a terminal (a trace of many thousand requests takes minutes);
     # a line per trace when done, wherever stderr goes.
-    show_progress = sys.stderr is not None and sys.stderr.isatty()
+    show_progress = sys.stderr.isatty()
 
     def measure(name: str, trace: Trace) -> dict:
         from tqdm import tqdm

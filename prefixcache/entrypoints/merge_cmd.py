@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.traces.count(STDIN_PATH) > 1:
         args.parser.error("standard input (-) can be read as one trace only")
-    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
+    show_progress = not args.quiet and sys.stderr.isatty()
     traces = []
     sizes = [trace_file_size(path) for path in args.traces]
     try:

@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         reason = path and not _is_stdout(flag, path) and _why_not_writable(path)
         if reason:
             return _error(f"{flag}: {reason}")
-    show_progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
+    show_progress = not args.quiet and sys.stderr.isatty()
     try:
         with tqdm(total=trace_file_size(args.trace), desc="reading", unit="B", unit_scale=True,
                   disable=not show_progress) as bar:
@@ -339,8 +339,7 @@ def run(args: argparse.Namespace) -> int:
         return _error("--timeline needs a 'timestamp' on every request of the trace")
 
     # stdout carries the JSON alone when --json is -, so that it can be piped on; the
-    # table then goes to stderr, or nowhere if stderr is closed (print(file=None) would
-    # send it to stdout).
+    # table then goes to stderr (the null device if it was closed: cli.main).
     report = sys.stderr if args.json == STDOUT_PATH else sys.stdout
     num_requests = len(trace.requests)
     try:
@@ -376,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
             payload = {"runs": [r.to_dict() for r in results]}
     except (ValueError, ReplayWorkerDied) as exc:
         return _error(str(exc))
-    if report is not None and (reason := _write_figures(table + "\n", report)):
+    if reason := _write_figures(table + "\n", report):
         return _error(reason)
 
     payload = {"trace": trace.path, "num_requests": num_requests,
